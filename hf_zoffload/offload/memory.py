@@ -1,0 +1,98 @@
+"""Model-state memory: the estimate before training and the report format shared with the engine.
+
+`estimate()` (used by `hf-zoffload estimate`) and `ZeroOffloadOptimizer.memory_report()` return
+the same structure, and `format_report()` prints either, so the two always agree on what is
+counted: model states only (parameters, gradients, master weights, Adam moments, staging
+buffers), never activations.
+"""
+
+from __future__ import annotations
+
+_MIB = 1024**2
+_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+# Plain mixed-precision AdamW keeps fp32 params, fp32 grads and two fp32 moments on the
+# device: 4 + 4 + 8 = 16 B/param (torch AMP autocast; ZeRO paper's "16 bytes" with fp32
+# grads). That is the number users compare against.
+PLAIN_AMP_ADAMW_BYTES_PER_PARAM = 16
+
+
+def estimate(
+    n_params: int,
+    *,
+    compute_dtype: str = "bf16",
+    bucket_size_mb: float = 32.0,
+    world_size: int = 1,
+    n_frozen: int = 0,
+    grad_accumulation: bool = False,
+    delayed_update: bool = False,
+) -> dict:
+    """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
+
+    Device: the ``compute_dtype`` parameters (frozen ones too) plus up to two gradient
+    buckets in flight. Host, per rank: fp32 master weights and both moments for this rank's
+    ``1/world_size`` shard (12 B/param), the 16-bit gradient and parameter staging buffers,
+    the fp32 accumulation buffer when gradients are accumulated over micro-steps, and a
+    second gradient staging buffer for the delayed update.
+    """
+    if n_params < 0 or n_frozen < 0:
+        raise ValueError("n_params and n_frozen must be >= 0")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if compute_dtype not in _DTYPE_BYTES:
+        raise ValueError(f"compute_dtype {compute_dtype!r}; allowed: fp16, bf16, fp32")
+    w = _DTYPE_BYTES[compute_dtype]
+    shard = -(-n_params // world_size)  # ceil: the largest shard
+    bucket = int(bucket_size_mb * _MIB) // 2 * w  # bucket_size_mb counts 16-bit grads
+    device = {
+        "params": (n_params + n_frozen) * w,
+        "grad_buckets": min(2 * bucket, n_params * w),
+    }
+    host = {
+        "master": 4 * shard,
+        "exp_avg": 4 * shard,
+        "exp_avg_sq": 4 * shard,
+        "grad_staging": w * shard * (2 if delayed_update else 1),
+        "param_staging": (w if w != 4 else 0) * shard,
+        "grad_accumulation": 4 * shard if grad_accumulation else 0,
+    }
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w)
+
+
+def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_dtype: int):
+    return {
+        "n_params": n_params,
+        "n_frozen": n_frozen,
+        "device": device,
+        "host": host,
+        "device_total": sum(device.values()),
+        "host_total": sum(host.values()),
+        "plain_adamw_device_total": PLAIN_AMP_ADAMW_BYTES_PER_PARAM * n_params
+        + compute_dtype * n_frozen,
+    }
+
+
+def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param_bytes: int):
+    """Wrap measured byte counts (from the engine) in the structure `estimate()` returns."""
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_report(report: dict) -> str:
+    """Human-readable lines for a report from `estimate()` or `memory_report()`."""
+    lines = [f"model states for {report['n_params']:,} trainable parameters"
+             + (f" (+{report['n_frozen']:,} frozen)" if report["n_frozen"] else "")]
+    for side in ("device", "host"):
+        parts = ", ".join(f"{k} {human(v)}" for k, v in report[side].items() if v)
+        lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")
+    lines.append(
+        f"  plain AMP AdamW would need {human(report['plain_adamw_device_total'])} on the device"
+    )
+    return "\n".join(lines)
