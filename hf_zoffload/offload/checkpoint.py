@@ -1,0 +1,118 @@
+"""`state_dict` / `load_state_dict` of the engine, in torch.optim.AdamW's format.
+
+Per-param state uses torch's keys (``step``, ``exp_avg``, ``exp_avg_sq``) plus ``master``, the
+fp32 weights (the 16-bit model params alone lose precision), so an AdamW checkpoint loads into
+the engine (master taken from the params) and ours into AdamW (``master`` is ignored there).
+Everything is plain tensors and numbers: it loads with ``torch.load(weights_only=True)``.
+Loading copies into the host buffers, so state stays on the host whatever ``map_location`` put
+the tensors on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMAT_VERSION = 1
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def state_dict(opt) -> dict:
+    state = {}
+    for b in opt.buckets:
+        for s in b.slots:
+            if opt._steps[s.index] == 0:
+                continue  # torch keeps no state for a param that never stepped
+            sl = slice(s.offset, s.offset + s.numel)
+            shape = s.param.shape
+            # clone: a view would pickle the whole flat bucket storage with each param
+            state[s.index] = {
+                "step": torch.tensor(float(opt._steps[s.index])),
+                "exp_avg": b.exp_avg[sl].view(shape).clone(),
+                "exp_avg_sq": b.exp_avg_sq[sl].view(shape).clone(),
+                "master": b.master[sl].view(shape).clone(),
+            }
+    groups, index = [], 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(g["params"])))
+        index += len(g["params"])
+        groups.append(packed)
+    return {
+        "state": state,
+        "param_groups": groups,
+        "zero_offload": {
+            "format_version": FORMAT_VERSION,
+            "loss_scaler": opt.loss_scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
+            "applied_steps": opt._applied_steps,
+        },
+    }
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    """Validate everything first, then copy; a bad checkpoint changes nothing."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
+    groups = sd["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer has "
+                         f"{len(opt.param_groups)}")
+    index_map = {}
+    for gi, (saved, ours) in enumerate(zip(groups, opt.param_groups)):
+        if len(saved["params"]) != len(ours["params"]):
+            raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} "
+                             f"params, the optimizer has {len(ours['params'])}")
+        for pos, (saved_id, p) in enumerate(zip(saved["params"], ours["params"])):
+            index_map[saved_id] = (gi, pos, p)
+    ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.slots}
+    plan = []
+    for saved_id, st in sd["state"].items():
+        if saved_id not in index_map:
+            raise ValueError(f"state_dict has state for unknown param id {saved_id!r}")
+        gi, pos, p = index_map[saved_id]
+        if p not in ours_by_param:
+            continue  # frozen here: nothing to restore
+        b, s = ours_by_param[p]
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            if key in st and st[key].numel() != s.numel:
+                raise ValueError(f"param group {gi} param {pos}: {key} has "
+                                 f"{st[key].numel()} elements, the param has {s.numel}")
+        if "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st:
+            raise ValueError(f"param group {gi} param {pos}: state needs step, exp_avg, "
+                             "exp_avg_sq")
+        plan.append((b, s, st))
+    extra = sd.get("zero_offload", {})
+
+    # ---- nothing above changed the optimizer; apply
+    for saved, ours in zip(groups, opt.param_groups):
+        for k in _HYPER:
+            if k in saved:
+                ours[k] = tuple(saved[k]) if k == "betas" else saved[k]
+    loaded = set()
+    for b, s, st in plan:
+        sl = slice(s.offset, s.offset + s.numel)
+        b.exp_avg[sl].copy_(st["exp_avg"].reshape(-1))
+        b.exp_avg_sq[sl].copy_(st["exp_avg_sq"].reshape(-1))
+        if "master" in st:
+            b.master[sl].copy_(st["master"].reshape(-1))
+        else:  # an AdamW checkpoint: the params are the best fp32 weights we have
+            b.master[sl].copy_(s.param.detach().reshape(-1))
+        opt._steps[s.index] = int(float(st["step"]))
+        loaded.add(s.index)
+    for b in opt.buckets:
+        for s in b.slots:
+            if s.index not in loaded:  # no saved state: as if it never stepped
+                sl = slice(s.offset, s.offset + s.numel)
+                b.exp_avg[sl].zero_()
+                b.exp_avg_sq[sl].zero_()
+                b.master[sl].copy_(s.param.detach().reshape(-1))
+                opt._steps[s.index] = 0
+        # the device params and the staging copy follow the master weights
+        b.params.copy_(b.master)
+        if b.param_host is not None:
+            b.param_host.copy_(b.master)
+    if "loss_scaler" in extra:
+        opt.loss_scaler.load_state_dict(extra["loss_scaler"])
+    opt.skipped_steps = int(extra.get("skipped_steps", 0))
+    opt._applied_steps = int(extra.get("applied_steps", 0))
+    opt.zero_grad()
