@@ -208,7 +208,9 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
     low = meta["minimum"]
     if low is not None and (out < low or (meta["exclusive_min"] and out == low)):
         bound = f"> {low}" if meta["exclusive_min"] else f">= {low}"
-        raise ValueError(f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; must be {bound}")
+        raise ValueError(
+            f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; must be {bound}"
+        )
     return out
 
 

@@ -171,7 +171,7 @@ def _run_buckets(bucket_size_mb, steps=4):
     model = tiny_gpt2()
     opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(
         compute_dtype="fp32", bucket_size_mb=bucket_size_mb))
-    for step, ids in enumerate(batches(steps)):
+    for ids in batches(steps):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     return len(opt.buckets), [p.detach().clone() for p in model.parameters()]
