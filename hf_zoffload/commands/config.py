@@ -1,0 +1,184 @@
+"""`hf-zoffload config`: accelerate's own questions, then the ZeRO-Offload ones.
+
+Accelerate's yaml is written by accelerate's config classes, unchanged (its loader rejects
+unknown top-level keys); our settings go to a sidecar beside it, named by `sidecar_path`.
+
+Reused accelerate internals (module functions, not documented API; pinned by
+tests/commands/test_config.py::test_accelerate_wizard_internals):
+``accelerate.commands.config.config.get_user_input``,
+``accelerate.commands.config.config_utils._ask_field`` and
+``accelerate.commands.config.default.write_basic_config``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hf_zoffload.config import ZeroOffloadPlugin
+
+description = (
+    "Ask accelerate's configuration questions, then the ZeRO-Offload ones; write accelerate's "
+    "yaml unchanged and our settings to a sidecar yaml beside it (<name>_zoffload.yaml)."
+)
+
+SIDECAR_SUFFIX = "_zoffload.yaml"
+
+
+def sidecar_path(accelerate_config: str) -> str:
+    """``/x/default_config.yaml`` -> ``/x/default_config_zoffload.yaml``.
+
+    Named after accelerate's file so that several accelerate configs in one folder each keep
+    their own offload settings, and `hf-zoffload launch --config_file X` finds X's."""
+    root, _ = os.path.splitext(os.path.abspath(os.path.expanduser(accelerate_config)))
+    return root + SIDECAR_SUFFIX
+
+
+def default_accelerate_config() -> str:
+    """Where `accelerate config` / `accelerate launch` look when no --config_file is given."""
+    from accelerate.commands.config.config_args import default_config_file
+
+    return default_config_file
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("config", help=description, description=description)
+    p.add_argument("--config_file", default=None,
+                   help="accelerate's yaml to write (default: accelerate's default config file); "
+                        "the sidecar goes beside it.")
+    p.add_argument("--default", action="store_true",
+                   help="ask nothing: write accelerate's basic config (as `accelerate config "
+                        "default`) and the offload defaults. Existing files are kept.")
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
+                   help="with --default: accelerate's mixed_precision; the offload compute dtype "
+                        "follows it when it is fp16 or bf16.")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    path = os.path.abspath(os.path.expanduser(args.config_file or default_accelerate_config()))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sidecar = sidecar_path(path)
+    if args.default:
+        return _write_defaults(path, sidecar, mixed_precision=args.mixed_precision)
+
+    from accelerate.commands.config.config import get_user_input
+
+    acc = get_user_input()
+    enabled, plugin = ask_offload(mixed_precision=str(getattr(acc, "mixed_precision", "no")))
+    # Same writer as `accelerate config`: json when the name says so, else yaml.
+    if path.endswith(".json"):
+        acc.to_json_file(path)
+    else:
+        acc.to_yaml_file(path)
+    print(f"accelerate configuration saved at {path}")
+    plugin.save_yaml(sidecar, enabled=enabled)
+    print(f"ZeRO-Offload configuration saved at {sidecar}")
+    return 0
+
+
+def _dtype_for(mixed_precision: str) -> str:
+    # Follow accelerate's answer so the two never disagree (prepare_zero_offload rejects a
+    # compute dtype that contradicts accelerate's fp16/bf16); "no" keeps the plugin default.
+    mp = mixed_precision.lower().rsplit(".", 1)[-1]
+    return mp if mp in ("fp16", "bf16") else ZeroOffloadPlugin().compute_dtype
+
+
+def _write_defaults(path: str, sidecar: str, *, mixed_precision: str) -> int:
+    from accelerate.commands.config.default import write_basic_config
+
+    if write_basic_config(mixed_precision, path):  # prints and keeps an existing file
+        print(f"accelerate configuration saved at {path}")
+    if os.path.exists(sidecar):
+        print(f"ZeRO-Offload configuration already exists at {sidecar}, will not override. "
+              "Run `hf-zoffload config` to change it.")
+    else:
+        ZeroOffloadPlugin(compute_dtype=_dtype_for(mixed_precision)).save_yaml(sidecar)
+        print(f"ZeRO-Offload configuration saved at {sidecar}")
+    _warn_processes(path)
+    return 0
+
+
+def _warn_processes(path: str) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    n = getattr(load_config_from_file(path), "num_processes", 1) or 1
+    if n > 1:
+        print(f"note: {path} launches {n} processes; ZeRO-Offload runs one process until "
+              "data-parallel partitioning lands: launch with --num_processes 1.")
+
+
+# ------------------------------------------------------------------ the questions
+def _shown(default) -> str:
+    if isinstance(default, bool):
+        return "YES/no" if default else "yes/NO"
+    return str(default)
+
+
+class _Asker:
+    """Asks one plugin setting at a time; every answer is checked by building a
+    ZeroOffloadPlugin with the answers so far, so the wizard has no rules of its own."""
+
+    def __init__(self):
+        from accelerate.commands.config.config_utils import _ask_field
+
+        self._ask_field = _ask_field
+        self.answers: dict = {}
+
+    def __call__(self, name: str, question: str, default=None):
+        default = getattr(ZeroOffloadPlugin(**self.answers), name) if default is None else default
+
+        def convert(raw: str):
+            if raw.strip() == "?":
+                print(f"  {name}: {ZeroOffloadPlugin.help(name)}")
+                raise ValueError("help shown")
+            try:
+                return getattr(ZeroOffloadPlugin(**{**self.answers, name: raw}), name)
+            except ValueError as err:
+                print(f"  {err}. Please answer again ('?' for help).")
+                raise
+
+        # _ask_field returns `default` as is on an empty answer, and re-asks while
+        # `convert` raises; error_message=None because `convert` printed the reason.
+        self.answers[name] = self._ask_field(f"{question} [{_shown(default)}]: ", convert,
+                                             default=default)
+        return self.answers[name]
+
+
+def _yes(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("yes", "no", "y", "n"):
+        print("  Please enter yes or no.")
+        raise ValueError(raw)
+    return value.startswith("y")
+
+
+def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin]:
+    """The offload questions; returns (enabled, plugin)."""
+    from accelerate.commands.config.config_utils import _ask_field
+
+    enabled = _ask_field(
+        "Do you want to use ZeRO-Offload (fp32 master weights and Adam states in host memory, "
+        "updated by the CPU)? [YES/no]: ", _yes, default=True)
+    if not enabled:
+        return False, ZeroOffloadPlugin(compute_dtype=_dtype_for(mixed_precision))
+    ask = _Asker()
+    ask("compute_dtype", "Which dtype should the parameters have on the device during "
+        "forward/backward (bf16/fp16/fp32)?", default=_dtype_for(mixed_precision))
+    ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied to the "
+        "host one bucket at a time)?")
+    ask("pin_memory", "Use pinned (page-locked) host buffers for the copies (CUDA only)?")
+    if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the next "
+           "forward/backward, on parameters one step stale)?"):
+        ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
+    ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: torch.get_num_threads())?")
+    if ask.answers["compute_dtype"] == "fp16" and _ask_field(
+        "Do you want to customize the fp16 dynamic loss scaler? [yes/NO]: ", _yes, default=False
+    ):
+        ask("init_scale", "Initial loss scale?")
+        ask("growth_factor", "Loss scale growth factor (> 1)?")
+        ask("backoff_factor", "Loss scale backoff factor, in (0, 1)?")
+        ask("growth_interval", "Clean steps before the loss scale grows?")
+        ask("hysteresis", "Overflowing steps before the loss scale backs off (hysteresis)?")
+        ask("min_scale", "Smallest loss scale?")
+    return True, ZeroOffloadPlugin(**ask.answers)

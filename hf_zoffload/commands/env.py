@@ -1,0 +1,147 @@
+"""`hf-zoffload env`: the block to paste into bug reports.
+
+Every probe is guarded on its own: a missing compiled kernel, a broken triton or a bad
+HF_ZOFFLOAD_* variable shows up as one line saying so, and the rest still prints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+
+description = "Print versions, CPU SIMD features, kernel build facts and the effective config."
+
+# cpuinfo flag -> name shown; the four the CPU-Adam kernel's SIMD paths care about.
+SIMD_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "f16c": "F16C", "avx512_bf16": "AVX512-BF16"}
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("env", help=description, description=description)
+    p.add_argument("--config_file", default=None,
+                   help="accelerate's config; its sidecar yaml is shown in the effective config "
+                        "(default: HF_ZOFFLOAD_CONFIG).")
+    p.set_defaults(func=run)
+    return p
+
+
+def _guard(fn):
+    try:
+        return fn()
+    except Exception as err:  # the report must print whatever breaks
+        return f"unavailable ({type(err).__name__}: {err})"
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def _torch() -> str:
+    import torch
+
+    cuda = "no CUDA"
+    if torch.cuda.is_available():
+        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+        cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {', '.join(names)}"
+    return f"{torch.__version__} ({cuda}; {torch.get_num_threads()} threads)"
+
+
+def _cpuinfo_flags() -> set[str]:
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def simd_features() -> dict[str, bool]:
+    """{cpuinfo flag: present}; from the kernel module when importable (it asks the CPU
+    itself), else from /proc/cpuinfo."""
+    try:
+        from hf_zoffload.ops.cpu_adam import cpu_features
+
+        found = cpu_features()
+        return {flag: bool(found.get(flag, False)) for flag in SIMD_FLAGS}
+    except Exception:  # fall back rather than hide the line
+        flags = _cpuinfo_flags()
+        return {flag: flag in flags for flag in SIMD_FLAGS}
+
+
+def _simd() -> str:
+    found = simd_features()
+    return ", ".join(f"{SIMD_FLAGS[f]} {'yes' if v else 'no'}" for f, v in found.items())
+
+
+def _kernel() -> str:
+    try:
+        cpu_adam = importlib.import_module("hf_zoffload.ops.cpu_adam")
+    except Exception as err:  # a broken install must not hide the rest of the report
+        return f"MISSING: hf_zoffload.ops.cpu_adam does not import ({type(err).__name__}: {err})"
+    try:
+        omp = cpu_adam.openmp_available()
+    except Exception as err:  # e.g. the compiled extension is not built
+        return f"MISSING: compiled CPU-Adam not available ({type(err).__name__}: {err})"
+    text = f"present, OpenMP {'yes' if omp else 'NO (runs on one thread)'}"
+    try:
+        feats = cpu_adam.compiled_features()
+        used = [SIMD_FLAGS[f] for f in SIMD_FLAGS if feats.get(f)]
+        text += (f"; variant in use: {', '.join(used) or 'scalar'}; portable build: "
+                 f"{'yes' if feats.get('portable_build') else 'no'}")
+    except Exception as err:  # e.g. a -march=native build on another CPU
+        text += f"; variant: unavailable ({type(err).__name__}: {err})"
+    return text
+
+
+def _offload_config(config_file: str | None) -> str:
+    from hf_zoffload.commands.config import sidecar_path
+    from hf_zoffload.config import CONFIG_ENV, ZeroOffloadPlugin
+    from hf_zoffload.integrations.accelerate import zero_offload_enabled
+
+    env = dict(os.environ)
+    if config_file:
+        env[CONFIG_ENV] = sidecar_path(config_file)
+    source = env.get(CONFIG_ENV, "no sidecar yaml (HF_ZOFFLOAD_CONFIG unset)")
+    plugin = ZeroOffloadPlugin.from_sources(environ=env)
+    lines = [f"{source}; enabled: {zero_offload_enabled(environ=env)}"]
+    lines += [f"    {k}: {v}" for k, v in plugin.to_dict().items()]
+    return "\n".join(lines)
+
+
+def report(*, config_file: str | None = None) -> str:
+    import hf_zoffload
+
+    rows = [
+        ("hf_zoffload version", lambda: hf_zoffload.__version__),
+        ("Platform", platform.platform),
+        ("Python version", lambda: sys.version.split()[0]),
+        ("torch version", _torch),
+        ("transformers version", lambda: _version("transformers")),
+        ("accelerate version", lambda: _version("accelerate")),
+        ("triton version", lambda: _version("triton")),
+        ("CPU", lambda: f"{_cpu_name()} ({os.cpu_count()} logical cores)"),
+        ("CPU SIMD", _simd),
+        ("CPU-Adam kernel", _kernel),
+        ("ZeRO-Offload config", lambda: _offload_config(config_file)),
+    ]
+    return "\n".join(f"- {name}: {_guard(fn)}" for name, fn in rows)
+
+
+def run(args) -> int:
+    print("Copy-and-paste the text below in your GitHub issue\n")
+    print(report(config_file=args.config_file))
+    return 0

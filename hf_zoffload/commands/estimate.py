@@ -1,0 +1,177 @@
+"""`hf-zoffload estimate`: model-state memory with and without ZeRO-Offload, and whether it fits.
+
+The figures come from `hf_zoffload.offload.memory.estimate` and print with its
+`format_report`, the same code behind the engine's run-time `memory_report()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+description = (
+    "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
+    "(16 B/param on the GPU), and whether it fits. Activations are not counted."
+)
+
+_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+# Decimal units are SI (24GB = 24e9 B); binary ones and bare letters are powers of 1024
+# (24G = 24GiB), as nvidia-smi's MiB. A card sold as "24GB" has 24 GiB: pass 24GiB.
+_SIZE = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_NUMBER = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
+
+
+def _parse(text: str, units: dict, what: str) -> int:
+    m = _NUMBER.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in units:
+        raise ValueError(f"{what} {text!r}: expected a number with an optional unit, one of "
+                         f"{', '.join(u for u in units if u)} (e.g. 7B, 124M, 1.5e9, 24GiB)")
+    return int(round(float(m.group(1).replace("_", "")) * units[unit]))
+
+
+def parse_count(text: str) -> int:
+    """'7B' -> 7_000_000_000; '124M', '350k', '1.5e9' and '1_000' too."""
+    return _parse(text, _COUNT, "parameter count")
+
+
+def parse_size(text: str) -> int:
+    """'24GB' -> 24e9 bytes, '80GiB' / '80G' -> 80 * 2**30."""
+    return _parse(text, _SIZE, "memory size")
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("estimate", help=description, description=description)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="trainable parameter count: 7B, 124M, 1.5e9, ...")
+    src.add_argument("--model", help="a local config.json or model folder, or a hub name "
+                                     "already in the local cache (no network is used)")
+    src.add_argument("--model_type", help="a transformers model type (gpt2, llama, ...) with "
+                                          "its default config, changed by --config_overrides")
+    p.add_argument("--config_overrides", default=None,
+                   help="comma-separated config changes, e.g. n_layer=2,n_embd=64")
+    p.add_argument("--frozen_params", default="0", help="frozen parameters (kept on the GPU)")
+    p.add_argument("--num_gpus", type=int, default=1, help="processes, one per GPU (default 1)")
+    p.add_argument("--gpu_memory", default=None, help="memory of one GPU: 24GiB, 80GB, ...")
+    p.add_argument("--host_memory", default=None, help="host memory of the machine: 256GiB, ...")
+    p.add_argument("--compute_dtype", default=None, choices=["fp16", "bf16", "fp32"],
+                   help="default: the effective ZeRO-Offload config")
+    p.add_argument("--bucket_size_mb", type=float, default=None,
+                   help="default: the effective ZeRO-Offload config")
+    p.add_argument("--delayed_update", action="store_true", default=None,
+                   help="count the delayed update's second gradient staging buffer")
+    p.add_argument("--grad_accumulation", action="store_true",
+                   help="count the fp32 accumulation buffer of micro-step accumulation")
+    p.add_argument("--json", action="store_true", help="print the figures as json, in bytes")
+    p.set_defaults(func=run)
+    return p
+
+
+def _model_config(args):
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if args.model_type:
+        if args.model_type not in CONFIG_MAPPING:
+            raise ValueError(f"unknown --model_type {args.model_type!r}")
+        cfg = CONFIG_MAPPING[args.model_type]()
+    elif os.path.isfile(args.model):  # a config.json
+        with open(args.model) as fh:
+            model_type = json.load(fh).get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"{args.model}: no known 'model_type' ({model_type!r})")
+        cfg = CONFIG_MAPPING[model_type].from_json_file(args.model)
+    else:
+        try:  # a folder, or a hub name that is already cached: never the network
+            cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        except OSError as err:
+            raise ValueError(
+                f"--model {args.model!r} is neither a local config nor in the local cache "
+                "(estimate never downloads); pass --model_type with --config_overrides, or "
+                "--params") from err
+    if args.config_overrides:
+        cfg.update_from_string(args.config_overrides)
+    return cfg
+
+
+def count_params(cfg) -> int:
+    """Trainable parameters of the model a config describes, built on the meta device (no
+    memory, about 1 s for a 7B llama); tied weights count once."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg)
+        except ValueError:  # not a causal LM (bert, t5, ...): count the base model
+            model = AutoModel.from_config(cfg)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _fit(need: int, have: int | None) -> dict | None:
+    if have is None:
+        return None
+    return {"need": need, "have": have, "fits": need <= have, "headroom": have - need}
+
+
+def compute(args) -> dict:
+    from hf_zoffload.config import ZeroOffloadPlugin
+    from hf_zoffload.offload.memory import estimate
+
+    overrides = {k: getattr(args, k) for k in ("compute_dtype", "bucket_size_mb",
+                                               "delayed_update") if getattr(args, k) is not None}
+    plugin = ZeroOffloadPlugin.from_sources(**overrides)
+    n = parse_count(args.params) if args.params else count_params(_model_config(args))
+    if args.num_gpus < 1:
+        raise ValueError(f"--num_gpus must be >= 1, got {args.num_gpus}")
+    report = estimate(n, compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb,
+                      world_size=args.num_gpus, n_frozen=parse_count(args.frozen_params),
+                      grad_accumulation=args.grad_accumulation,
+                      delayed_update=plugin.delayed_update)
+    gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
+    host = parse_size(args.host_memory) if args.host_memory else None
+    # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
+    host_all = report["host_total"] * args.num_gpus
+    return {
+        "report": report, "num_gpus": args.num_gpus, "host_total_all_ranks": host_all,
+        "fits": {"gpu_zero_offload": _fit(report["device_total"], gpu),
+                 "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
+                 "host_zero_offload": _fit(host_all, host)},
+    }
+
+
+def format_fits(result: dict) -> str:
+    from hf_zoffload.offload.memory import human
+
+    n = result["num_gpus"]
+    lines = [f"  host, all {n} processes together: {human(result['host_total_all_ranks'])}"] \
+        if n > 1 else []
+    labels = {"gpu_zero_offload": "GPU, ZeRO-Offload", "gpu_plain_adamw": "GPU, plain AMP AdamW",
+              "host_zero_offload": "host, ZeRO-Offload"}
+    fits = {k: v for k, v in result["fits"].items() if v}
+    if fits:
+        lines.append("fits? (model states only: activations, CUDA context and allocator slack "
+                     "need room too)")
+    for key, f in fits.items():
+        verdict = "fits" if f["fits"] else "DOES NOT FIT"
+        lines.append(f"  {labels[key]:<21} needs {human(f['need']):>11} of {human(f['have'])}: "
+                     f"{verdict}, headroom {human(f['headroom'])}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from hf_zoffload.offload.memory import format_report
+
+    try:
+        result = compute(args)
+    except ValueError as err:
+        print(f"hf-zoffload estimate: {err}")
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        text = format_fits(result)
+        print(format_report(result["report"]) + ("\n" + text if text else ""))
+    return 0

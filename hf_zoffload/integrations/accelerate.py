@@ -1,0 +1,320 @@
+"""ZeRO-Offload in a plain Accelerate loop: `prepare_zero_offload` replaces `accelerator.prepare`.
+
+The loop itself is unchanged::
+
+    from hf_zoffload import prepare_zero_offload                                      # + 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    scheduler = get_scheduler("linear", optimizer, ...)
+    model, optimizer, loader, scheduler = prepare_zero_offload(                       # ~ 2
+        accelerator, model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+The AdamW is replaced by a `ZeroOffloadOptimizer` with the same param groups and
+hyper-parameters (after the model is on the device, as the engine casts it in place), and the
+schedulers passed along are re-pointed at it. A `ZeroOffloadOptimizer` built by hand is taken
+as is. Settings: arguments > HF_ZOFFLOAD_* > the sidecar yaml named by HF_ZOFFLOAD_CONFIG;
+HF_ZOFFLOAD_ENABLED=false (or `zero_offload: false` in the sidecar) makes it plain
+`accelerator.prepare`.
+
+Accelerate internals relied on (accelerate 1.15; tests/integrations/test_accelerate.py pins
+them): `prepare_optimizer` keeps an optimizer marked `_is_accelerate_prepared` as is;
+`AcceleratedOptimizer(optimizer, device_placement, scaler)` and its `step_was_skipped`;
+`Accelerator.backward` scales by `accelerator.scaler`; `AcceleratedScheduler` skips when
+`step_was_skipped`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from hf_zoffload.config import CONFIG_ENV, ENV_PREFIX, ZeroOffloadPlugin, env_values, read_yaml
+
+__all__ = ["prepare_zero_offload", "zero_offload_enabled"]
+
+ENABLED_ENV = ENV_PREFIX + "ENABLED"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def zero_offload_enabled(*, environ=None) -> bool:
+    """HF_ZOFFLOAD_ENABLED if set, else the sidecar's ``zero_offload:``, else True."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENABLED_ENV)
+    if raw is not None:
+        value = str(raw).strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise ValueError(f"{ENABLED_ENV}={raw!r} is not allowed; allowed: "
+                             f"{', '.join(sorted(_TRUE | _FALSE))}")
+        return value in _TRUE
+    path = environ.get(CONFIG_ENV)
+    if not path:
+        return True
+    import yaml
+
+    with open(path) as fh:
+        flag = (yaml.safe_load(fh) or {}).get("zero_offload", True)
+    if not isinstance(flag, bool):
+        raise ValueError(f"{path}: 'zero_offload' must be true or false, got {flag!r}")
+    return flag
+
+
+class _OffloadedOptimizer(AcceleratedOptimizer):
+    """Accelerate's wrapper, steps only when `sync_gradients`; knows when the engine skipped."""
+
+    def __init__(self, engine):
+        # device_placement=False: accelerate round-trips the state dict through the device
+        # (state_dict -> .to(device) -> load_state_dict): that would copy the host fp32 master
+        # and both moments (12 B/param, 84 GB for 7B) to the GPU. scaler=None: the engine
+        # unscales and checks overflow itself (fused_loss_scaling).
+        super().__init__(engine, device_placement=False, scaler=None)
+        self._is_accelerate_prepared = True  # prepare() then registers it as is
+
+    @property
+    def step_was_skipped(self):
+        # Read by AcceleratedScheduler: an fp16 overflow skips the LR step too.
+        return bool(getattr(self.optimizer, "last_step_skipped", False))
+
+
+def _world_size(accelerator) -> int:
+    # torch.distributed too: under torchrun on CPUs accelerate 1.15 reports num_processes 1
+    # and distributed_type NO while the process group holds 2 ranks (measured).
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return max(accelerator.num_processes, world)
+
+
+def _check_accelerator(accelerator) -> None:
+    n = _world_size(accelerator)
+    if n > 1:
+        raise RuntimeError(
+            f"ZeRO-Offload runs in one process for now, but this job has "
+            f"{n}: data-parallel partitioning of the host state is not "
+            "implemented yet, and each process would train its own copy. Launch with "
+            "`--num_processes 1`, or set HF_ZOFFLOAD_ENABLED=false.")
+    if accelerator.distributed_type != DistributedType.NO:
+        raise ValueError(
+            f"ZeRO-Offload needs accelerate's distributed_type NO, got "
+            f"{accelerator.distributed_type}: it replaces DeepSpeed/FSDP/Megatron optimizers "
+            "and cannot run under them.")
+    if str(accelerator.mixed_precision) not in ("no", "fp16", "bf16"):
+        raise ValueError(f"accelerate mixed_precision {accelerator.mixed_precision!r} is not "
+                         "supported with ZeRO-Offload; allowed: no, fp16, bf16")
+
+
+def _dtype_set_by_user(environ) -> bool:
+    path = environ.get(CONFIG_ENV)
+    return "compute_dtype" in env_values(environ) or bool(path and
+                                                          "compute_dtype" in read_yaml(path))
+
+
+def _plugin(accelerator, settings: dict) -> ZeroOffloadPlugin:
+    mp = str(accelerator.mixed_precision)
+    # Unset everywhere, the compute dtype follows accelerate's fp16/bf16, so that
+    # `accelerate config` alone is enough; set anywhere, it must agree (checked below).
+    if mp in ("fp16", "bf16") and "compute_dtype" not in settings \
+            and not _dtype_set_by_user(os.environ):
+        settings = {**settings, "compute_dtype": mp}
+    return ZeroOffloadPlugin.from_sources(**settings)
+
+
+def _check_dtype(accelerator, plugin) -> None:
+    mp = str(accelerator.mixed_precision)
+    if mp in ("fp16", "bf16") and plugin.compute_dtype != mp:
+        raise ValueError(
+            f"accelerate mixed_precision is {mp} but ZeRO-Offload compute_dtype is "
+            f"{plugin.compute_dtype}: make them agree (or set accelerate's to 'no').")
+
+
+def _engine_from_adam(opt: torch.optim.Optimizer, plugin):
+    from hf_zoffload.offload.engine import ZeroOffloadOptimizer
+
+    if opt.state:
+        raise ValueError(
+            f"{type(opt).__name__} has already stepped; its state cannot move to the host: "
+            "call prepare_zero_offload before training (load checkpoints after it).")
+    groups = []
+    for i, g in enumerate(opt.param_groups):
+        bad = [k for k in ("amsgrad", "maximize") if g.get(k)]
+        if bad:
+            raise ValueError(f"param group {i}: {', '.join(bad)}=True is not supported by "
+                             "ZeRO-Offload's CPU-Adam; allowed: False")
+        decoupled = isinstance(opt, torch.optim.AdamW) or g.get("decoupled_weight_decay")
+        if g["weight_decay"] and not decoupled:
+            raise ValueError(
+                f"param group {i}: torch.optim.Adam's weight_decay={g['weight_decay']} is an "
+                "L2 term added to the gradient; ZeRO-Offload decays as AdamW does. Use "
+                "torch.optim.AdamW, or weight_decay=0.")
+        groups.append({"params": list(g["params"]),  # the engine skips frozen ones
+                       "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
+                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
+    first = groups[0]
+    engine = ZeroOffloadOptimizer(groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
+                                  weight_decay=first["weight_decay"], plugin=plugin)
+    for src, dst in zip(opt.param_groups, engine.param_groups, strict=True):
+        if "initial_lr" in src:  # set by a scheduler built on `opt`; it reads it back
+            dst["initial_lr"] = src["initial_lr"]
+    return engine
+
+
+def _track_steps_for_scheduler(engine) -> None:
+    # torch's LRScheduler wraps the step of the optimizer it was built on to warn when
+    # scheduler.step() runs first; re-pointed at the engine, it would warn on its first step
+    # that "optimizer.step() has been overridden". Give the engine the same per-instance
+    # marker (torch-private names: if they change, the cost is that one spurious warning).
+    step = engine.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    @functools.wraps(step)
+    def tracked(*args, **kwargs):
+        engine._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True
+    engine.step = tracked
+
+
+def _repoint_schedulers(objects, old, engine) -> None:
+    found = False
+    for obj in objects:
+        if not isinstance(obj, torch.optim.Optimizer) and getattr(obj, "optimizer", None) is old:
+            obj.optimizer = engine
+            found = True
+    if found:
+        _track_steps_for_scheduler(engine)
+    elif getattr(old.step, "_wrapped_by_lr_sched", False):
+        raise ValueError(
+            "a learning-rate scheduler was built on this optimizer but is not among the "
+            "objects passed to prepare_zero_offload: pass it too, so that it drives the "
+            "ZeRO-Offload optimizer that replaces the optimizer.")
+
+
+def _engine_params(engine) -> list[torch.nn.Parameter]:
+    return [p for g in engine.param_groups for p in g["params"]]
+
+
+def _install(accelerator, engine) -> None:
+    """Per-instance patches of this accelerator only (no class is touched)."""
+    if getattr(accelerator, "_zero_offload_engine", None) is not None:
+        raise ValueError("this Accelerator already has a ZeRO-Offload optimizer; one per "
+                         "Accelerator is supported")
+    accelerator._zero_offload_engine = engine
+    if engine.plugin.compute_dtype == "fp16":
+        # accelerator.backward(loss) then runs `scaler.scale(loss).backward()` with our
+        # dynamic scale; unscale_gradients() is a no-op for the fused engine.
+        accelerator.scaler = engine.loss_scaler
+    ours = {id(p) for p in _engine_params(engine)}
+    clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
+
+    def split(parameters):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mine = {id(p) for p in params} & ours
+        if mine and mine != ours:
+            raise ValueError(
+                "accelerator.clip_grad_norm_ got part of the ZeRO-Offload optimizer's "
+                "parameters: their gradients are in host buckets and are clipped together; "
+                "pass all of them (model.parameters()).")
+        others = [p for p in params if id(p) not in ours and p.grad is not None]
+        if mine and others:
+            raise ValueError("accelerator.clip_grad_norm_ mixes ZeRO-Offload parameters with "
+                             "others that have gradients; clip them in two calls.")
+        return params, bool(mine)
+
+    # The gradients were streamed to the host during backward (param.grad is None), so
+    # accelerate's torch.nn.utils.clip_grad_norm_ would see none: the engine computes the
+    # global norm from its buckets and applies the clip coefficient inside the next step.
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        params, offloaded = split(parameters)
+        if offloaded:
+            return engine.clip_grad_norm_(max_norm, norm_type)
+        return clip_norm(params, max_norm, norm_type)
+
+    def clip_grad_value_(parameters, clip_value_):
+        params, offloaded = split(parameters)
+        if offloaded:
+            raise NotImplementedError("clip_grad_value_ is not supported with ZeRO-Offload "
+                                      "(gradients live in host buckets); use clip_grad_norm_")
+        return clip_value(params, clip_value_)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator.clip_grad_value_ = clip_grad_value_
+
+
+def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None = None,
+                         enabled: bool | None = None, **settings):
+    """Drop-in for ``accelerator.prepare(*objects)`` that offloads the optimizer.
+
+    ``objects`` are what `accelerator.prepare` takes; exactly one optimizer among them, a
+    ``torch.optim.AdamW`` (or ``Adam`` without weight decay) or a ``ZeroOffloadOptimizer``.
+    ``plugin`` or keyword ``settings`` (ZeroOffloadPlugin fields) override HF_ZOFFLOAD_* and
+    the sidecar yaml. ``enabled`` (default HF_ZOFFLOAD_ENABLED, then the sidecar's
+    ``zero_offload``, then True) False: plain ``accelerator.prepare``. Returns what
+    ``accelerator.prepare`` returns, the optimizer being accelerate's wrapper of the engine.
+    """
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    models = [m for m in objects if isinstance(m, torch.nn.Module)]
+    if enabled is None:
+        enabled = zero_offload_enabled()
+    if not enabled:
+        if any(getattr(o, "fused_loss_scaling", False) for o in optimizers):
+            raise ValueError("ZeRO-Offload is disabled (HF_ZOFFLOAD_ENABLED / zero_offload: "
+                             "false) but a ZeroOffloadOptimizer was built; pass a torch AdamW")
+        return accelerator.prepare(*objects)
+    if len(optimizers) != 1:
+        raise ValueError(f"prepare_zero_offload needs exactly one optimizer among the objects, "
+                         f"got {len(optimizers)}")
+    if plugin is not None and settings:
+        raise TypeError("pass either plugin= or ZeRO-Offload settings as keywords, not both")
+    _check_accelerator(accelerator)
+    from hf_zoffload.offload.engine import ZeroOffloadOptimizer
+
+    old = optimizers[0]
+    if isinstance(old, ZeroOffloadOptimizer):
+        engine = old
+        if plugin is not None or settings:
+            raise TypeError("the ZeroOffloadOptimizer has its plugin already; pass settings to "
+                            "it, not to prepare_zero_offload")
+    else:
+        if not isinstance(old, torch.optim.Adam):  # AdamW subclasses Adam since torch 2.6
+            raise TypeError(f"{type(old).__name__} cannot be offloaded; allowed: "
+                            "torch.optim.AdamW, torch.optim.Adam, ZeroOffloadOptimizer")
+        plugin = plugin or _plugin(accelerator, settings)
+        _check_dtype(accelerator, plugin)
+        if accelerator.device_placement:  # as prepare_model would, but before the engine
+            for m in models:
+                if not accelerator.verify_device_map(m):
+                    m.to(accelerator.device)
+        engine = _engine_from_adam(old, plugin)
+        _repoint_schedulers(objects, old, engine)
+    _check_dtype(accelerator, engine.plugin)
+    ours = {id(p) for p in _engine_params(engine)}
+    for m in models:  # frozen weights join the compute dtype, or matmuls would mix dtypes;
+        params = list(m.parameters())  # only in the trained model, not e.g. a teacher
+        if any(id(p) in ours for p in params):
+            for p in params:
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(engine.plugin.torch_dtype)
+    if accelerator.device_placement:
+        wrong = {str(p.device) for p in _engine_params(engine)
+                 if not _same_device(p.device, accelerator.device)}
+        if wrong:
+            raise ValueError(f"the optimizer's parameters are on {sorted(wrong)}, not on "
+                             f"{accelerator.device}: build the ZeroOffloadOptimizer after "
+                             "model.to(accelerator.device), or pass a torch AdamW instead")
+    _install(accelerator, engine)
+    wrapped = _OffloadedOptimizer(engine)
+    return accelerator.prepare(*(wrapped if o is old else o for o in objects))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # accelerate's device may carry no index ("cuda") where params say "cuda:0".
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

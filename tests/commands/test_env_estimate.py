@@ -1,0 +1,138 @@
+"""`hf-zoffload env` and `hf-zoffload estimate`."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from hf_zoffload.commands.estimate import parse_count, parse_size
+from hf_zoffload.commands.main import main
+
+MIB = 2**20
+TINY_GPT2 = "n_layer=2,n_embd=64,n_head=2,vocab_size=1000,n_positions=128"
+
+
+@pytest.fixture(autouse=True)
+def no_zoffload_env(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+
+
+def _json(capsys, *argv):
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# ------------------------------------------------------------------------- env
+def test_env_names_versions_simd_kernel_and_config(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in ("hf_zoffload version", "torch version", "transformers version",
+                 "accelerate version", "triton version", "Python version"):
+        assert f"- {name}: " in out
+    simd = next(line for line in out.splitlines() if line.startswith("- CPU SIMD:"))
+    for feature in ("AVX2", "AVX-512F", "F16C", "AVX512-BF16"):
+        assert f"{feature} yes" in simd or f"{feature} no" in simd
+    assert "- CPU-Adam kernel: " in out and ("OpenMP" in out or "MISSING" in out)
+    assert "compute_dtype: bf16" in out  # the effective config, defaults here
+
+
+def test_env_still_reports_without_the_kernel_and_with_a_bad_setting(monkeypatch, capsys):
+    import hf_zoffload.ops
+    from hf_zoffload.ops import cpu_adam
+
+    monkeypatch.setitem(sys.modules, "hf_zoffload.ops._cpu_adam", None)  # not built
+    monkeypatch.delattr(hf_zoffload.ops, "_cpu_adam", raising=False)
+    cpu_adam._ext.cache_clear()
+    monkeypatch.setenv("HF_ZOFFLOAD_BUCKET_SIZE_MB", "-3")
+    try:
+        assert main(["env"]) == 0
+        out = capsys.readouterr().out
+        assert "- CPU-Adam kernel: MISSING: compiled CPU-Adam not available" in out
+        monkeypatch.setitem(sys.modules, "hf_zoffload.ops.cpu_adam", None)  # broken install
+        monkeypatch.delattr(hf_zoffload.ops, "cpu_adam", raising=False)
+        assert main(["env"]) == 0
+        out = capsys.readouterr().out
+        assert "- CPU-Adam kernel: MISSING: hf_zoffload.ops.cpu_adam does not import" in out
+    finally:
+        cpu_adam._ext.cache_clear()
+    assert "AVX-512F" in out  # from /proc/cpuinfo instead
+    assert "- ZeRO-Offload config: unavailable (ValueError:" in out and "bucket_size_mb" in out
+    assert "- accelerate version: " in out
+
+
+# -------------------------------------------------------------------- estimate
+def test_estimate_7b_bf16_by_hand(capsys):
+    r = _json(capsys, "--params", "7B", "--compute_dtype", "bf16", "--gpu_memory", "24GiB",
+              "--host_memory", "128GB")
+    n = 7_000_000_000
+    rep = r["report"]
+    # device: bf16 params, plus two 32 MiB buckets of 16-bit grads in flight
+    assert rep["device"] == {"params": 2 * n, "grad_buckets": 2 * 32 * MIB}
+    # host: fp32 master + two moments (12 B/param), bf16 grad and param staging (2 + 2)
+    assert rep["host_total"] == 16 * n
+    assert rep["plain_adamw_device_total"] == 16 * n
+    gpu, plain, host = (r["fits"][k] for k in ("gpu_zero_offload", "gpu_plain_adamw",
+                                                "host_zero_offload"))
+    assert gpu == {"need": 2 * n + 64 * MIB, "have": 24 * 2**30, "fits": True,
+                   "headroom": 24 * 2**30 - 2 * n - 64 * MIB}
+    assert plain["fits"] is False and plain["headroom"] == 24 * 2**30 - 16 * n
+    assert host == {"need": 16 * n, "have": 128 * 10**9, "fits": True, "headroom": 16 * 10**9}
+    assert main(["estimate", "--params", "7B", "--compute_dtype", "bf16", "--gpu_memory",
+                 "24GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "13.10 GiB" in text  # 14_067_108_864 B
+    assert "plain AMP AdamW would need 104.31 GiB on the device" in text
+    assert "DOES NOT FIT" in text
+
+
+def test_estimate_tiny_gpt2_fp16_two_gpus_delayed_by_hand(capsys, tmp_path):
+    # wte 1000*64 + wpe 128*64 + 2 layers * (2 ln 2*64*2 + c_attn 64*192+192 + attn c_proj
+    # 64*64+64 + c_fc 64*256+256 + mlp c_proj 256*64+64) + ln_f 2*64; lm_head tied
+    n = 64_000 + 8_192 + 2 * (256 + 12_480 + 4_160 + 16_640 + 16_448) + 128
+    assert n == 172_288
+    r = _json(capsys, "--model_type", "gpt2", "--config_overrides", TINY_GPT2,
+              "--compute_dtype", "fp16", "--num_gpus", "2", "--delayed_update")
+    rep, shard = r["report"], n // 2
+    assert rep["n_params"] == n
+    # the buckets cap at the model's own 16-bit size
+    assert rep["device"] == {"params": 2 * n, "grad_buckets": 2 * n}
+    assert rep["host"] == {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard,
+                           "grad_staging": 2 * 2 * shard,  # doubled by the delayed update
+                           "param_staging": 2 * shard, "grad_accumulation": 0}
+    assert rep["host_total"] == 1_550_592 and r["host_total_all_ranks"] == 3_101_184
+    assert rep["plain_adamw_device_total"] == 16 * n
+    # the same model from a local config.json counts the same
+    from transformers import GPT2Config
+
+    cfg = GPT2Config()
+    cfg.update_from_string(TINY_GPT2)
+    cfg.save_pretrained(tmp_path)
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        assert _json(capsys, "--model", model)["report"]["n_params"] == n
+
+
+def test_estimate_never_downloads(capsys):
+    assert main(["estimate", "--model", "no-such-org/no-such-model-zz"]) == 2
+    assert "never downloads" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,value", [("7B", 7 * 10**9), ("124M", 124 * 10**6),
+                                        ("1.5e9", 1_500_000_000), ("350k", 350_000),
+                                        ("1_000", 1000)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text,value", [("24GB", 24 * 10**9), ("80GiB", 80 * 2**30),
+                                        ("80G", 80 * 2**30), ("512 MiB", 512 * MIB),
+                                        ("1.5TB", 1_500_000_000_000), ("4096", 4096)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["7 apples", "GB", "", "-1GB"])
+def test_parse_errors_name_the_units(text):
+    with pytest.raises(ValueError, match="expected a number with an optional unit"):
+        parse_size(text)

@@ -1,0 +1,111 @@
+"""`hf-zoffload launch`: settings carried to the script by environment variables."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_zoffload.commands.launch import _strip_own, find_sidecar, launch_env
+from hf_zoffload.commands.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "scripts" / "train_accelerate.py")
+
+
+@pytest.fixture(autouse=True)
+def no_zoffload_env(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+
+
+def _configs(tmp_path, **section):
+    """accelerate's yaml written by `hf-zoffload config --default`, our sidecar beside it."""
+    cfg = tmp_path / "acc.yaml"
+    assert main(["config", "--default", "--config_file", str(cfg)]) == 0
+    side = tmp_path / "acc_zoffload.yaml"
+    side.write_text(yaml.safe_dump({"zero_offload": True, "zoffload": section}))
+    return cfg, side
+
+
+def test_strip_own_leaves_the_script_args_alone():
+    argv = ["--zoffload_config", "a.yaml", "--num_processes", "1", "--zoffload_config=b",
+            "s.py", "--zoffload_config", "kept"]
+    assert _strip_own(argv, 3) == ["--num_processes", "1", "s.py", "--zoffload_config", "kept"]
+
+
+def test_find_sidecar_order(tmp_path):
+    cfg, side = _configs(tmp_path)
+    other = tmp_path / "other.yaml"
+    other.write_text("zoffload: {}\n")
+    assert find_sidecar(zoffload_config=None, config_file=str(cfg), environ={}) == str(side)
+    assert find_sidecar(zoffload_config=None, config_file=str(cfg),
+                        environ={"HF_ZOFFLOAD_CONFIG": str(other)}) == str(other)
+    assert find_sidecar(zoffload_config=str(other), config_file=str(cfg),
+                        environ={"HF_ZOFFLOAD_CONFIG": "x"}) == str(other)
+    assert find_sidecar(zoffload_config=None, config_file=str(tmp_path / "none.yaml"),
+                        environ={}) is None
+    with pytest.raises(FileNotFoundError, match="--zoffload_config"):
+        find_sidecar(zoffload_config=str(tmp_path / "no.yaml"), config_file=None, environ={})
+
+
+def test_launch_env_merges_sidecar_below_the_callers_env(tmp_path):
+    _, side = _configs(tmp_path, bucket_size_mb=4, cpu_threads=3)
+    env = launch_env(str(side), {"HF_ZOFFLOAD_CPU_THREADS": "1", "PATH": "/bin"})
+    assert env["HF_ZOFFLOAD_BUCKET_SIZE_MB"] == "4.0"  # from the sidecar
+    assert env["HF_ZOFFLOAD_CPU_THREADS"] == "1"  # the caller's variable wins
+    assert env["HF_ZOFFLOAD_ENABLED"] == "true" and env["HF_ZOFFLOAD_CONFIG"] == str(side)
+    assert env["PATH"] == "/bin"
+    side.write_text(yaml.safe_dump({"zero_offload": False, "zoffload": {}}))
+    assert launch_env(str(side), {})["HF_ZOFFLOAD_ENABLED"] == "false"
+
+
+def test_bad_setting_fails_before_any_process_starts(tmp_path, capsys):
+    cfg, _ = _configs(tmp_path, bucket_size_mb=0)
+    rc = main(["launch", "--config_file", str(cfg), "does_not_exist.py"])
+    assert rc == 2
+    assert "'bucket_size_mb': 0 is not allowed; must be > 0.0" in capsys.readouterr().err
+
+
+def _launch(tmp_path, cfg, *args, env_extra=None):
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZOFFLOAD_")}
+    env.update(PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), **(env_extra or {}))
+    cmd = [sys.executable, "-m", "hf_zoffload.commands.main", "launch", "--config_file",
+           str(cfg), *args, SCRIPT, "--zero_offload", "--steps", "3", "--output_json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_train_script_through_launch_one_process(tmp_path):
+    cfg, _ = _configs(tmp_path, compute_dtype="fp32", bucket_size_mb=0.25, cpu_threads=2)
+    proc, out = _launch(tmp_path, cfg, "--num_processes", "1",
+                        env_extra={"HF_ZOFFLOAD_CPU_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO-Offload enabled; settings from" in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["zero_offload"] and result["num_processes"] == 1
+    # the sidecar's settings reached the script, the caller's variable above them
+    assert result["zoffload"]["compute_dtype"] == "fp32"
+    assert result["zoffload"]["bucket_size_mb"] == 0.25
+    assert result["zoffload"]["cpu_threads"] == 1
+    assert len(result["losses"]) == 6 and result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.slow
+def test_two_processes_are_a_clear_error(tmp_path):
+    # accelerate launches several CPU processes only through mpirun; torchrun sets up the
+    # same two-process job (accelerate reads WORLD_SIZE and picks MULTI_CPU with gloo).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZOFFLOAD_")}
+    # CUDA hidden: two ranks on one GPU would stop in NCCL, not in our check
+    env.update(PYTHONPATH=str(ROOT), HF_ZOFFLOAD_COMPUTE_DTYPE="fp32", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", "29517", SCRIPT, "--zero_offload", "--output_json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and not out.exists()
+    assert "ZeRO-Offload runs in one process for now, but this job has 2" in proc.stderr
