@@ -1,0 +1,209 @@
+/* One-pass CPU-Adam kernel: argument block, variant dispatch, and the traffic pass that the
+ * benchmark uses as its memory ceiling.  The per-ISA body lives in adam_kernel_body.h and is
+ * instantiated here several times (generic, native; avx2 and avx512bf16 in portable builds).
+ *
+ * Numerics: compile with -ffp-contract=off (setup.py does); the body calls fmaf exactly where
+ * torch's CPU kernels fuse.  Every element then goes through the same correctly rounded IEEE
+ * operations whether it lands in a vector body or a scalar tail, so results are bitwise identical
+ * for any thread count, any split of a buffer, and across variants.  Letting the compiler
+ * contract freely would make rounding depend on alignment. */
+#ifndef HF_ZOFFLOAD_ADAM_KERNEL_H
+#define HF_ZOFFLOAD_ADAM_KERNEL_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HZ_X86 1
+#else
+#define HZ_X86 0
+#endif
+
+enum { HZ_F32 = 0, HZ_F16 = 1, HZ_BF16 = 2, HZ_NONE = 3 };
+enum { HZ_AUTO = 0, HZ_GENERIC = 1, HZ_NATIVE = 2, HZ_AVX2 = 3, HZ_AVX512BF16 = 4, HZ_NVARIANTS = 5 };
+enum { HZ_FEAT_AVX2 = 1, HZ_FEAT_AVX512F = 2, HZ_FEAT_F16C = 4, HZ_FEAT_AVX512BF16 = 8 };
+
+/* Scalars arrive as doubles computed in Python the way torch computes them, and are rounded to
+ * float once here, as torch's CPU kernels round a Python scalar for a float tensor. */
+typedef struct {
+    float *param, *exp_avg, *exp_avg_sq;
+    const void *grad;
+    void *out16;
+    int grad_kind, out_kind;
+    int l2_on;       /* Adam mode with weight decay: g += wd * p          */
+    int lerp_small;  /* torch.lerp branch: weight < 0.5                    */
+    float grad_scale, decay, l2, lerp_coef, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step;
+} hz_adam_args;
+
+typedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi);
+
+/* Tile: grads are widened into a stack buffer and the 16-bit copy is cut from the tile while it
+ * is still in L1.  512 floats = 2 KiB per stream, ~10 KiB in flight: fits any 32 KiB L1. */
+#define HZ_TILE 512
+
+static inline uint32_t hz_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float hz_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* IEEE half -> float, exact; NaN is quieted keeping its payload, as vcvtph2ps does. */
+static inline float hz_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t a = h & 0x7fffu, e = a >> 10, m = a & 0x3ffu;
+    uint32_t normal = (a << 13) + 0x38000000u;                       /* rebias 15 -> 127 */
+    uint32_t special = 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0u);
+    uint32_t sub = hz_bits((float)m * 5.9604644775390625e-08f);      /* m * 2^-24, exact */
+    uint32_t r = e == 31u ? special : normal;
+    r = e == 0u ? sub : r;
+    return hz_float(r | sign);
+}
+
+/* float -> IEEE half, round to nearest even, bit-equal to vcvtps2ph with imm 0 (and so to
+ * torch's .to(float16)): overflow -> inf, NaN -> quiet NaN keeping sign and top payload. */
+static inline uint16_t hz_float_to_half(float f) {
+    uint32_t u = hz_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+    uint32_t norm = (a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+    /* Below 2^-14 the result is a half subnormal: adding 0.5f (ulp 2^-24 = half's smallest step)
+     * lets the FPU do the round-to-nearest-even; the low bits are the half's mantissa. */
+    uint32_t sub = hz_bits(hz_float(a) + 0.5f) - 0x3f000000u;
+    uint32_t r = a >= 0x38800000u ? norm : sub;
+    r = a >= 0x477ff000u ? 0x7c00u : r;                               /* >= 65520 rounds to inf */
+    r = a > 0x7f800000u ? nan : r;
+    return (uint16_t)(r | sign);
+}
+
+/* float -> bfloat16, round to nearest even (subnormals included, as torch does); NaN -> quiet NaN
+ * keeping sign and top payload, which is what vcvtneps2bf16 writes.  A plain integer formula
+ * with selects, so the loop around it auto-vectorizes. */
+static inline uint16_t hz_float_to_bf16(float f) {
+    uint32_t u = hz_bits(f);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t q = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
+}
+
+/* ---- variants ---------------------------------------------------------------------------- */
+#define HZ_SUFFIX generic
+#define HZ_NO_INTRINSICS 1
+#include "adam_kernel_body.h"
+#undef HZ_SUFFIX
+#undef HZ_NO_INTRINSICS
+
+#if !defined(HZ_PORTABLE)
+/* Native build: the module is compiled with -march=native, so __F16C__ / __AVX512BF16__ say
+ * what this CPU has. */
+#define HZ_SUFFIX native
+#define HZ_NO_INTRINSICS 0
+#include "adam_kernel_body.h"
+#undef HZ_SUFFIX
+#undef HZ_NO_INTRINSICS
+#define HZ_HAVE_NATIVE 1
+#else
+#define HZ_HAVE_NATIVE 0
+#endif
+
+#if defined(HZ_PORTABLE) && HZ_X86 && defined(__GNUC__) && !defined(__clang__)
+/* Portable build: baseline code plus two clones picked at run time by __builtin_cpu_supports;
+ * #pragma GCC target also defines __F16C__ etc. inside the region, so the body is unchanged. */
+#define HZ_HAVE_CLONES 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define HZ_SUFFIX avx2
+#define HZ_NO_INTRINSICS 0
+#include "adam_kernel_body.h"
+#undef HZ_SUFFIX
+#undef HZ_NO_INTRINSICS
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")
+#define HZ_SUFFIX avx512bf16
+#define HZ_NO_INTRINSICS 0
+#include "adam_kernel_body.h"
+#undef HZ_SUFFIX
+#undef HZ_NO_INTRINSICS
+#pragma GCC pop_options
+#else
+#define HZ_HAVE_CLONES 0
+#endif
+
+static int hz_cpu_has(int variant) {
+#if HZ_HAVE_CLONES
+    __builtin_cpu_init();
+    if (variant == HZ_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (variant == HZ_AVX512BF16)
+        return hz_cpu_has(HZ_AVX2) && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bf16");
+#endif
+    return variant == HZ_GENERIC || (variant == HZ_NATIVE && HZ_HAVE_NATIVE);
+}
+
+/* NULL when the variant is not compiled in, or (for clones) this CPU cannot run it. */
+static hz_range_fn hz_select(int variant) {
+    if (variant == HZ_AUTO) {
+        if (HZ_HAVE_NATIVE) return hz_select(HZ_NATIVE);
+        if (hz_cpu_has(HZ_AVX512BF16)) return hz_select(HZ_AVX512BF16);
+        if (hz_cpu_has(HZ_AVX2)) return hz_select(HZ_AVX2);
+        return hz_select(HZ_GENERIC);
+    }
+    if (!hz_cpu_has(variant)) return NULL;
+    switch (variant) {
+    case HZ_GENERIC: return hz_adam_range_generic;
+#if HZ_HAVE_NATIVE
+    case HZ_NATIVE: return hz_adam_range_native;
+#endif
+#if HZ_HAVE_CLONES
+    case HZ_AVX2: return hz_adam_range_avx2;
+    case HZ_AVX512BF16: return hz_adam_range_avx512bf16;
+#endif
+    default: return NULL;
+    }
+}
+
+/* Instruction sets each variant uses (auto-vectorized code and conversion intrinsics). */
+static int hz_variant_features(int variant) {
+    switch (variant) {
+    case HZ_GENERIC: return hz_features_generic();
+#if HZ_HAVE_NATIVE
+    case HZ_NATIVE: return hz_features_native();
+#endif
+#if HZ_HAVE_CLONES
+    case HZ_AVX2: return hz_features_avx2();
+    case HZ_AVX512BF16: return hz_features_avx512bf16();
+#endif
+    default: return 0;
+    }
+}
+
+static int hz_openmp_compiled(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int hz_portable_build(void) {
+#ifdef HZ_PORTABLE
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Memory ceiling for Adam's traffic: read 4 fp32 streams, write 3 in place, one add each and no
+ * other arithmetic, compiled with the same flags and run with the same chunking as the kernel. */
+static void hz_traffic_range(float *restrict a, float *restrict b, float *restrict c,
+                             const float *restrict d, size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+        float x = d[i];
+        a[i] += x;
+        b[i] += x;
+        c[i] += x;
+    }
+}
+
+#endif /* HF_ZOFFLOAD_ADAM_KERNEL_H */

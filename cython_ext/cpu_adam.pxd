@@ -1,0 +1,46 @@
+# Declarations of the C kernel in adam_kernel.h (the SIMD body is in adam_kernel_body.h).
+
+cdef extern from "adam_kernel.h" nogil:
+    enum:
+        HZ_F32
+        HZ_F16
+        HZ_BF16
+        HZ_NONE
+        HZ_AUTO
+        HZ_GENERIC
+        HZ_NATIVE
+        HZ_AVX2
+        HZ_AVX512BF16
+        HZ_NVARIANTS
+        HZ_FEAT_AVX2
+        HZ_FEAT_AVX512F
+        HZ_FEAT_F16C
+        HZ_FEAT_AVX512BF16
+
+    ctypedef struct hz_adam_args:
+        float *param
+        float *exp_avg
+        float *exp_avg_sq
+        const void *grad
+        void *out16
+        int grad_kind
+        int out_kind
+        int l2_on
+        int lerp_small
+        float grad_scale
+        float decay
+        float l2
+        float lerp_coef
+        float beta2
+        float one_minus_beta2
+        float inv_bc2_sqrt
+        float eps
+        float neg_step
+
+    ctypedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi) noexcept nogil
+
+    hz_range_fn hz_select(int variant)
+    int hz_variant_features(int variant)
+    int hz_openmp_compiled()
+    int hz_portable_build()
+    void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)

@@ -1,0 +1,264 @@
+"""One-pass CPU-Adam over flat host buffers: the compiled kernel's Python face, and the plain
+torch reference beside it (the ground truth of the tests).
+
+The kernel reads the 16-bit (or fp32) gradient, scales it by ``grad_scale`` (the engine folds
+``inv_loss_scale * clip_coef`` in here), updates master/exp_avg/exp_avg_sq in place and
+optionally writes the new parameters rounded to fp16/bf16, all in one pass: 28 B/param with
+16-bit grads and output, against 40 B for the composed torch path (DESIGN.md).
+
+Numerics follow torch's single-tensor Adam/AdamW on CPU op for op (same fp32 roundings, FMA at
+the same places), so results agree with torch.optim.AdamW to within a few fp32 ulps; see
+tests/ops/test_cpu_adam.py for the stated tolerance.  The 16-bit output is round-to-nearest-even,
+bit-equal to ``master.to(dtype)`` for every non-NaN value (inf, ties and subnormals included).
+A NaN becomes a quiet NaN with the same sign and top payload bits, which is what F16C and
+AVX512-BF16 hardware write; torch's own bf16 conversion writes 0xFFFF from its AVX2 body and
+0x7FC0 from its scalar path, so NaN is matched as NaN, not bit for bit, for bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import struct
+import warnings
+
+import torch
+
+__all__ = [
+    "adam_update",
+    "adam_update_reference",
+    "compiled_features",
+    "cpu_features",
+    "openmp_available",
+]
+
+_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_OUT_DTYPES = (torch.float16, torch.bfloat16)
+_ISA_FLAGS = ("avx2", "avx512f", "f16c", "avx512_bf16")
+
+
+@functools.cache
+def _ext():
+    try:
+        from hf_zoffload.ops import _cpu_adam
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "hf_zoffload.ops._cpu_adam (the compiled CPU-Adam) is missing: the package was not "
+            "built. Reinstall from the source tree with `pip install -e .` (needs gcc and the "
+            "Python headers)."
+        ) from exc
+    return _cpu_adam
+
+
+def openmp_available() -> bool:
+    """True when the kernel was compiled with OpenMP (else it runs on one thread)."""
+    return _ext().openmp_compiled()
+
+
+@functools.cache
+def cpu_features() -> dict[str, bool]:
+    """SIMD features of this CPU that the kernel can use, from /proc/cpuinfo."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: only what torch's dispatcher reports
+        cap = torch.backends.cpu.get_cpu_capability()
+        flags = {"avx2", "f16c"} if cap.startswith("AVX") else set()
+        flags |= {"avx512f"} if cap.startswith("AVX512") else set()
+    return {name: name in flags for name in _ISA_FLAGS}
+
+
+def compiled_features() -> dict[str, bool]:
+    """Instruction sets used by the kernel variant that runs here, plus how it was built.
+
+    Keys: avx2, avx512f, f16c (hardware fp16 conversion), avx512_bf16 (hardware bf16
+    conversion), openmp, portable_build.
+    """
+    ext = _ext()
+    feats = dict(ext.variant_features(ext.VARIANTS["auto"]))
+    feats["openmp"] = ext.openmp_compiled()
+    feats["portable_build"] = ext.portable_build()
+    return feats
+
+
+@functools.cache
+def _checked_variant() -> str:
+    """The auto variant, after checking a -march=native build still fits this CPU."""
+    ext = _ext()
+    if not ext.portable_build():
+        have = cpu_features()
+        missing = [k for k, v in ext.variant_features(ext.VARIANTS["native"]).items()
+                   if v and not have[k]]
+        if missing:
+            raise RuntimeError(
+                f"hf_zoffload's CPU-Adam was built with -march=native for a CPU with "
+                f"{', '.join(missing)}, which this CPU lacks. Rebuild here, or build portable "
+                f"wheels with HF_ZOFFLOAD_PORTABLE_BUILD=1."
+            )
+    if not ext.openmp_compiled():
+        warnings.warn(
+            "hf_zoffload's CPU-Adam was built without OpenMP and runs on one thread; rebuild "
+            "with a compiler that accepts -fopenmp for a parallel update.",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of adam_update
+        )
+    return ext.auto_variant()
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _check_real(name, x, *, low=None, high=None, high_open=False):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if low is not None and x < low:
+        raise ValueError(f"{name} must be >= {low}, got {x}")
+    if high is not None and (x >= high if high_open else x > high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {x}")
+    return x
+
+
+def _check_buffer(name, t, dtypes, numel=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (a flat buffer), got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, master has {numel}")
+
+
+def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, beta2, eps,
+                weight_decay, grad_scale, adamw_mode, bias_correction, num_threads):
+    """Validate everything before any work; returns the scalars as floats."""
+    _check_buffer("master", master, (torch.float32,))
+    n = master.numel()
+    _check_buffer("grad", grad, _GRAD_DTYPES, n)
+    _check_buffer("exp_avg", exp_avg, (torch.float32,), n)
+    _check_buffer("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if out16 is not None:
+        _check_buffer("out16", out16, _OUT_DTYPES, n)
+        named.append(("out16", out16))
+    if n:
+        spans = sorted((t.data_ptr(), t.data_ptr() + n * t.element_size(), nm) for nm, t in named)
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"{a} and {b} overlap in memory; every buffer must be distinct")
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (Adam counts from 1), got {step!r}")
+    for name, flag in (("adamw_mode", adamw_mode), ("bias_correction", bias_correction)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
+        raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+    return (
+        _check_real("lr", lr, low=0.0),
+        _check_real("beta1", beta1, low=0.0, high=1.0, high_open=True),
+        _check_real("beta2", beta2, low=0.0, high=1.0, high_open=True),
+        _check_real("eps", eps, low=0.0),
+        _check_real("weight_decay", weight_decay, low=0.0),
+        _check_real("grad_scale", grad_scale),
+    )
+
+
+def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,
+                beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+                adamw_mode: bool = True, bias_correction: bool = True,
+                out16: torch.Tensor | None = None, num_threads: int | None = None) -> None:
+    """One Adam/AdamW step over flat CPU buffers, in one compiled pass (GIL released).
+
+    master, exp_avg, exp_avg_sq: 1-D contiguous fp32, updated in place.  grad: 1-D contiguous
+    fp32/fp16/bf16, multiplied by ``grad_scale`` inside the pass.  adamw_mode: decoupled decay
+    (p *= 1 - lr*wd); else L2 (g += wd*p).  out16: optional fp16/bf16 buffer that receives the
+    new master rounded to nearest even.  num_threads: None means torch.get_num_threads().
+    Results are bitwise identical for any num_threads and any split of the buffers.
+    """
+    _update(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
+            bias_correction=bias_correction, out16=out16, num_threads=num_threads)
+
+
+def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+            grad_scale=1.0, adamw_mode=True, bias_correction=True, out16=None, num_threads=None,
+            variant="auto"):
+    """adam_update with a choice of compiled variant (tests compare them bit for bit)."""
+    lr, beta1, beta2, eps, wd, gs = _check_args(
+        master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
+        eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
+        bias_correction=bias_correction, num_threads=num_threads)
+    ext = _ext()
+    _checked_variant()
+    if variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[variant]):
+        raise ValueError(f"kernel variant {variant!r} is not available here")
+    n = master.numel()
+    if n == 0:
+        return
+    # Scalars exactly as torch derives them in double before its kernels round them to fp32.
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    weight = _f32(1.0 - beta1)  # torch.lerp picks its formula on the fp32 weight
+    small = abs(weight) < 0.5
+    ext.adam_step(
+        master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+        0 if out16 is None else out16.data_ptr(), n,
+        {torch.float32: ext.FLOAT32, torch.float16: ext.FLOAT16,
+         torch.bfloat16: ext.BFLOAT16}[grad.dtype],
+        ext.NO_OUTPUT if out16 is None else
+        {torch.float16: ext.FLOAT16, torch.bfloat16: ext.BFLOAT16}[out16.dtype],
+        bool(not adamw_mode and wd != 0.0), small,
+        gs, 1.0 - lr * wd if adamw_mode else 1.0, wd,
+        weight if small else weight - 1.0, beta2, 1.0 - beta2, 1.0 / bc2**0.5, eps, -(lr / bc1),
+        torch.get_num_threads() if num_threads is None else num_threads,
+        ext.VARIANTS[variant],
+    )
+
+
+def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float,
+                          beta1: float, beta2: float, eps: float, weight_decay: float,
+                          grad_scale: float = 1.0, adamw_mode: bool = True,
+                          bias_correction: bool = True, out16: torch.Tensor | None = None,
+                          num_threads: int | None = None) -> None:
+    """adam_update in plain torch ops, as torch.optim.Adam(W)'s single-tensor path writes them.
+
+    Same validation and signature; num_threads is checked but has no effect on the result
+    (every op is elementwise), so it does not change torch's global thread setting.
+    """
+    lr, beta1, beta2, eps, wd, gs = _check_args(
+        master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
+        eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
+        bias_correction=bias_correction, num_threads=num_threads)
+    with torch.no_grad():
+        g = grad.float().mul(gs)  # a new tensor even for fp32 grads: grad is never written
+        if wd != 0.0:
+            if adamw_mode:
+                master.mul_(1.0 - lr * wd)
+            else:
+                g = g.add(master, alpha=wd)
+        exp_avg.lerp_(g, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        bc1 = 1.0 - beta1**step if bias_correction else 1.0
+        bc2 = 1.0 - beta2**step if bias_correction else 1.0
+        denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+        master.addcdiv_(exp_avg, denom, value=-(lr / bc1))
+        if out16 is not None:
+            out16.copy_(master)

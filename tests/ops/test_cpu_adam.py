@@ -1,0 +1,316 @@
+"""The compiled one-pass CPU-Adam against its torch reference and torch.optim.Adam/AdamW.
+
+Tolerance (master params), stated once and used everywhere:
+    |ours - torch| <= 2e-6 * lr_max * steps + 1e-6 * steps * |torch|
+Why: the kernel evaluates torch's own op sequence with the same fp32 roundings and FMAs (m and v
+come out bit-equal in AdamW mode) except in the denominator sqrt(v) / sqrt(bc2) + eps: torch's
+vectorized sqrt is not correctly rounded (measured on torch 2.13/AVX2: ~20% of results 1 ulp
+off), and the kernel multiplies by 1/sqrt(bc2) instead of dividing.  The two denominators differ
+by <= 3.5 ulp, so the update u differs by <= ~4.5 ulp of |u| <= lr * (1-b1)/sqrt(1-b2) = 3.2 lr:
+<= 1.7e-6 lr per step, and p + u may round the other way (1 ulp of p = 1.2e-7 relative); both
+may add up over the steps.  Measured worst case over 200k elements: 2.3e-7 * lr beyond the rtol
+term after one step, 4e-9 * lr * steps after 100 steps -- 9x and more inside.  The grad dtype
+adds nothing (fp16/bf16 -> fp32 widening is exact), hence the equal (dtype, atol, rtol) rows.
+exp_avg/exp_avg_sq differ only through the L2 term (Adam mode); b1, b2 < 1 damp that
+difference, so they get a steps-free bound relative to the largest gradient.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_zoffload.ops import cpu_adam as ca
+
+SIZES = [1, 7, 22, 4097, 1_000_003]
+GRAD_DTYPES = [  # (grad dtype, atol per unit of lr per step, rtol per step): see module doc
+    (torch.float32, 2e-6, 1e-6),
+    (torch.float16, 2e-6, 1e-6),
+    (torch.bfloat16, 2e-6, 1e-6),
+]
+HP = dict(beta1=0.9, beta2=0.999, eps=1e-8)
+VARIANTS = [v for v in ("native", "avx2", "avx512bf16") if ca._ext().variant_available(
+    ca._ext().VARIANTS[v])]
+
+
+@pytest.fixture(autouse=True)
+def _torch_one_thread():
+    # The references run on torch ops; torch's MKL sqrt with 2 threads measured ~16 ms per call
+    # at any size >= 4097 on a loaded 2-core box (4 us on one thread).  The kernel takes its
+    # thread count as an argument, so this changes nothing it computes.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _state(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 0.1
+    # a state Adam could have reached: |m| <= sqrt(v), so |update| <= 3.2 lr as the bound assumes
+    v = m * m * (1 + torch.rand(n, generator=gen))
+    return [p, m, v]
+
+
+def _grad(n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes from 1e-4 to 10: exercises eps, the bias corrections and the 16-bit grads
+    g = torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-4, 1, generator=gen)
+    return g.to(dtype)
+
+
+def _assert_close(ours, ref, *, lr_max, steps, atol, rtol, gmax):
+    p, m, v = ours
+    torch.testing.assert_close(p, ref[0], atol=atol * lr_max * steps, rtol=rtol * steps)
+    torch.testing.assert_close(m, ref[1], atol=1e-5 * gmax, rtol=1e-5)
+    torch.testing.assert_close(v, ref[2], atol=1e-5 * gmax**2, rtol=1e-5)
+
+
+def _bits(t):
+    return t.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype, atol, rtol", GRAD_DTYPES)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_one_step_matches_reference(n, dtype, atol, rtol, adamw_mode, weight_decay,
+                                    bias_correction):
+    ours, ref = _state(n), _state(n)
+    g = _grad(n, dtype, seed=1)
+    kw = dict(step=3, lr=2e-3, weight_decay=weight_decay, grad_scale=0.5, adamw_mode=adamw_mode,
+              bias_correction=bias_correction, **HP)
+    ca.adam_update(*ours[:1], g, *ours[1:], **kw)
+    ca.adam_update_reference(*ref[:1], g, *ref[1:], **kw)
+    gmax = g.float().abs().max().item() * 0.5
+    _assert_close(ours, ref, lr_max=2e-3, steps=1, atol=atol, rtol=rtol, gmax=gmax)
+
+
+@pytest.mark.parametrize("n", [7, 4097])
+@pytest.mark.parametrize("dtype, atol, rtol", GRAD_DTYPES)
+@pytest.mark.parametrize("adamw_mode, weight_decay", [(True, 0.01), (False, 0.05), (True, 0.0)])
+def test_100_steps_changing_lr_match_torch_optim(n, dtype, atol, rtol, adamw_mode, weight_decay):
+    p0 = _state(n)[0]
+    ours = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    param = torch.nn.Parameter(p0.clone())
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    opt = cls([param], lr=1e-3, betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+              weight_decay=weight_decay)
+    lrs = [1e-3 * (1 + (s % 7)) for s in range(1, 101)]  # a schedule with jumps both ways
+    gmax = 0.0
+    for s, lr in enumerate(lrs, start=1):
+        g = _grad(n, dtype, seed=s)
+        gmax = max(gmax, g.float().abs().max().item())
+        ca.adam_update(ours[0], g, ours[1], ours[2], step=s, lr=lr, weight_decay=weight_decay,
+                       adamw_mode=adamw_mode, **HP)
+        opt.param_groups[0]["lr"] = lr
+        param.grad = g.float()
+        opt.step()
+    st = opt.state[param]
+    ref = [param.detach(), st["exp_avg"], st["exp_avg_sq"]]
+    _assert_close(ours, ref, lr_max=max(lrs), steps=100, atol=atol, rtol=rtol, gmax=gmax)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 4097, 1_000_003])
+def test_out16_equals_master_to_dtype(out_dtype, grad_dtype, n):
+    p, m, v = _state(n)
+    out = torch.empty(n, dtype=out_dtype)
+    ca.adam_update(p, _grad(n, grad_dtype, 5), m, v, step=1, lr=1e-3, weight_decay=0.01,
+                   out16=out, **HP)
+    assert torch.equal(_bits(out), _bits(p.to(out_dtype)))
+
+
+def _special_values():
+    """fp32 masters at every hard spot of the fp16/bf16 rounding."""
+    f32 = torch.float32
+    halves = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    h = halves.to(f32)
+    ties16 = ((h[:-1].double() + h[1:].double()) / 2).to(f32)  # exact midpoints, both parities
+    bf = torch.arange(0, 0x7F80, 7, dtype=torch.int32)
+    ties_bf = ((bf << 16) | 0x8000).view(f32)
+    near_bf = torch.cat([((bf << 16) | 0x7FFF).view(f32), ((bf << 16) | 0x8001).view(f32)])
+    sub32 = torch.tensor([1, 2, 0x7FFF, 0x8000, 0x18000, 0x7FFFFF], dtype=torch.int32).view(f32)
+    specials = torch.tensor([0.0, float("inf"), float("nan"), 65504.0, 65519.99, 65520.0,
+                             3.4028234663852886e38, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25], dtype=f32)
+    payload_nans = torch.tensor([0x7FA12345, 0x7F800001, 0x7FFFFFFF], dtype=torch.int32).view(f32)
+    gen = torch.Generator().manual_seed(3)
+    rnd = torch.randint(-(2**31), 2**31 - 1, (200_003,), generator=gen, dtype=torch.int32)
+    x = torch.cat([h, ties16, ties_bf, near_bf, sub32, specials, payload_nans, rnd.view(f32)])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("variant", ["auto", "generic"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_out16_rounding_ties_subnormals_inf_nan(variant, out_dtype):
+    master = _special_values()
+    n = master.numel()
+    expect = master.clone()
+    out = torch.empty(n, dtype=out_dtype)
+    # lr = 0, wd = 0, zero grads: master comes back bit for bit (NaN quieted, as torch's mul_)
+    ca._update(master, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0,
+               weight_decay=0.0, out16=out, variant=variant, **HP)
+    nan = expect.isnan()
+    assert torch.equal(_bits(out)[~nan], _bits(expect.to(out_dtype))[~nan])
+    assert out.isnan().equal(nan)
+    # NaN keeps its sign and top payload bits and is quiet (F16C / vcvtneps2bf16 behaviour).
+    u = expect.view(torch.int32)[nan]
+    if out_dtype == torch.bfloat16:
+        want = ((u >> 16) | 0x40) & 0xFFFF
+    else:
+        want = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
+    assert torch.equal(_bits(out)[nan], want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_simd_variant_bit_equal_to_generic(variant, out_dtype, grad_dtype):
+    n = 300_007
+    a, b = _state(n), _state(n)
+    g = _grad(n, grad_dtype, 9)
+    if grad_dtype == torch.float16:  # every half bit pattern, NaN and inf included
+        g[:65536] = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    outs = [torch.zeros(n, dtype=out_dtype) for _ in range(2)]
+    for st, out, var in ((a, outs[0], variant), (b, outs[1], "generic")):
+        # offset 5: the output is not 16-byte aligned, so the fast path starts with a prologue
+        ca._update(st[0][5:], g[5:], st[1][5:], st[2][5:], step=2, lr=1e-3, weight_decay=0.01,
+                   out16=out[5:], variant=var, **HP)
+    for x, y in zip(a + outs[:1], b + outs[1:]):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_fp16_grads_widen_exactly():
+    # beta1 = 0 makes exp_avg = grad bit for bit: every finite half must widen exactly.
+    h = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    h = h[h.isfinite()]
+    n = h.numel()
+    for variant in ["auto", "generic"]:
+        m = torch.zeros(n)
+        ca._update(torch.zeros(n), h, m, torch.zeros(n), step=1, lr=1e-3, beta1=0.0,
+                   beta2=0.999, eps=1e-8, weight_decay=0.0, variant=variant)
+        assert torch.equal(m.view(torch.int32), h.float().view(torch.int32))
+
+
+def _run(n, threads, splits, out_dtype=torch.bfloat16):
+    p, m, v = _state(n)
+    g = _grad(n, torch.float16, 11)
+    out = torch.empty(n, dtype=out_dtype)
+    bounds = [0, *splits, n]
+    for s in (1, 2):
+        for lo, hi in zip(bounds, bounds[1:]):
+            ca.adam_update(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], step=s, lr=1e-3,
+                           weight_decay=0.01, adamw_mode=False, out16=out[lo:hi],
+                           num_threads=threads, **HP)
+    return [p, m, v, out.view(torch.int16)]
+
+
+def test_bitwise_1_vs_2_threads_and_any_split():
+    n = 1_000_003
+    base = _run(n, threads=1, splits=[])
+    for threads, splits in ((2, []), (2, [333_331]), (1, [17, 500_001, 999_999])):
+        for x, y in zip(base, _run(n, threads, splits)):
+            assert torch.equal(x.view(torch.int32) if x.dtype == torch.float32 else x,
+                               y.view(torch.int32) if y.dtype == torch.float32 else y)
+
+
+def test_releases_the_gil():
+    n = 8_000_000
+    p, m, v = _state(n)
+    g = torch.ones(n)
+    spans = []
+
+    def work():
+        for s in range(1, 4):
+            t0 = time.perf_counter()
+            ca.adam_update(p, g, m, v, step=s, lr=1e-3, weight_decay=0.0, num_threads=1, **HP)
+            spans.append(time.perf_counter() - t0)
+
+    t = threading.Thread(target=work)
+    last, gap = time.perf_counter(), 0.0
+    t.start()
+    while t.is_alive():
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    t.join()
+    # Holding the GIL through a pass (~25 ms here) would freeze this loop for all of it.
+    assert gap < 0.5 * min(spans), (gap, spans)
+
+
+def test_features_report():
+    assert set(ca.cpu_features()) == {"avx2", "avx512f", "f16c", "avx512_bf16"}
+    feats = ca.compiled_features()
+    assert feats["openmp"] == ca.openmp_available()
+    assert all(isinstance(x, bool) for x in feats.values())
+    for k in ("avx2", "avx512f", "f16c", "avx512_bf16"):
+        assert not feats[k] or ca.cpu_features()[k]  # nothing compiled in that this CPU lacks
+
+
+def _good(n=8):
+    return dict(master=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n),
+                exp_avg_sq=torch.zeros(n))
+
+
+BAD = [  # (field, value, exception, text in message)
+    ("master", torch.zeros(8, dtype=torch.float64), TypeError, "master"),
+    ("master", torch.zeros(8, device="meta"), ValueError, "master"),
+    ("master", torch.zeros(16)[::2], ValueError, "master"),
+    ("master", torch.zeros(2, 4), ValueError, "master"),
+    ("master", [0.0] * 8, TypeError, "master"),
+    ("grad", torch.zeros(8, dtype=torch.int32), TypeError, "grad"),
+    ("grad", torch.zeros(9), ValueError, "grad"),
+    ("grad", torch.zeros(16, dtype=torch.float16)[::2], ValueError, "grad"),
+    ("exp_avg", torch.zeros(7), ValueError, "exp_avg"),
+    ("exp_avg", torch.zeros(8, dtype=torch.bfloat16), TypeError, "exp_avg"),
+    ("exp_avg_sq", torch.zeros(8, device="meta"), ValueError, "exp_avg_sq"),
+    ("exp_avg_sq", torch.zeros(8).to_sparse(), TypeError, "exp_avg_sq"),
+    ("out16", torch.zeros(8), TypeError, "out16"),
+    ("out16", torch.zeros(9, dtype=torch.float16), ValueError, "out16"),
+    ("step", 0, ValueError, "step"),
+    ("step", 1.0, ValueError, "step"),
+    ("step", True, ValueError, "step"),
+    ("lr", -1e-3, ValueError, "lr"),
+    ("lr", float("nan"), ValueError, "lr"),
+    ("lr", "0.1", TypeError, "lr"),
+    ("beta1", 1.0, ValueError, "beta1"),
+    ("beta2", -0.1, ValueError, "beta2"),
+    ("eps", -1e-8, ValueError, "eps"),
+    ("weight_decay", -0.01, ValueError, "weight_decay"),
+    ("grad_scale", float("inf"), ValueError, "grad_scale"),
+    ("adamw_mode", 1, TypeError, "adamw_mode"),
+    ("bias_correction", None, TypeError, "bias_correction"),
+    ("num_threads", 0, ValueError, "num_threads"),
+]
+
+
+@pytest.mark.parametrize("fn", [ca.adam_update, ca.adam_update_reference])
+@pytest.mark.parametrize("field, value, exc, text", BAD, ids=lambda x: str(x)[:20])
+def test_bad_input_raises_before_any_work(fn, field, value, exc, text):
+    bufs = {k: torch.full((8,), 0.5) for k in ("master", "grad", "exp_avg", "exp_avg_sq")}
+    kw = dict(step=1, lr=1e-3, weight_decay=0.01, **HP)
+    if field in bufs:
+        bufs[field] = value
+    else:
+        kw[field] = value
+    before = [t.clone() for t in bufs.values() if isinstance(t, torch.Tensor)]
+    with pytest.raises(exc, match=text):
+        fn(bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"], **kw)
+    for b, t in zip(before, [t for t in bufs.values() if isinstance(t, torch.Tensor)]):
+        if t.device.type == "cpu" and t.layout == torch.strided and t.dtype == b.dtype:
+            assert torch.equal(b, t)
+
+
+def test_overlapping_buffers_rejected():
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match="overlap"):
+        ca.adam_update(buf[:8], torch.zeros(8), buf[4:12], torch.zeros(8), step=1, lr=1e-3,
+                       weight_decay=0.0, **HP)
+
+
+def test_unknown_variant_rejected():
+    with pytest.raises(ValueError, match="variant"):
+        ca._update(**_good(), step=1, lr=1e-3, weight_decay=0.0, variant="sse9", **HP)

@@ -1,0 +1,260 @@
+"""CPUAdam as a drop-in for torch.optim.AdamW / torch.optim.Adam.
+
+Tolerance on parameters: atol = 2e-6 * lr_max * steps, rtol = 1e-6 * steps, derived in
+tests/ops/test_cpu_adam.py (only the denominator sqrt(v) / sqrt(bc2) + eps is computed
+differently, by <= 3.5 ulp; everything else is the same fp32 op sequence).  Moments get 1e-5
+relative.  Only fp32 grads here: torch refuses a .grad of another dtype than the parameter
+(16-bit grads are covered on the kernel).
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from hf_zoffload.ops.cpu_adam import adam_update_reference
+from hf_zoffload.optim.cpu_adam import CPUAdam
+
+SHAPES = [(1,), (7,), (22,), (4097,), (7, 3), (3, 5, 2)]
+
+
+@pytest.fixture(autouse=True)
+def _torch_one_thread():
+    # torch's MKL sqrt with 2 threads measured ~16 ms per call on a loaded 2-core box; the
+    # kernel's results do not depend on the thread count.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _set_grads(params, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 10 ** torch.empty(p.shape).uniform_(
+            -3, 1, generator=gen)
+
+
+def _groups(params, **extra):
+    return [
+        {"params": params[:3], **extra},
+        {"params": params[3:], "lr": 5e-3, "weight_decay": 0.1, "betas": (0.8, 0.99),
+         "eps": 1e-6},
+    ]
+
+
+def _close(a, b, *, lr_max, steps):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.detach(), y.detach(), atol=2e-6 * lr_max * steps,
+                                   rtol=1e-6 * steps)
+
+
+def _train(opt, params, steps, start=1, sched=None):
+    for s in range(start, start + steps):
+        _set_grads(params, s)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("adamw_mode, torch_cls", [(True, torch.optim.AdamW),
+                                                   (False, torch.optim.Adam)])
+def test_100_steps_with_scheduler_and_groups_match_torch(adamw_mode, torch_cls):
+    ours, theirs = _params(), _params()
+    a = CPUAdam(_groups(ours), lr=1e-3, weight_decay=0.01, adamw_mode=adamw_mode)
+    b = torch_cls(_groups(theirs), lr=1e-3, weight_decay=0.01)
+    lam = lambda s: 1.0 + (s % 5) - 0.5 * (s % 3)  # noqa: E731 - jumps both ways every step
+    sa = torch.optim.lr_scheduler.LambdaLR(a, lam)
+    sb = torch.optim.lr_scheduler.LambdaLR(b, lam)
+    for s in range(1, 101):
+        _set_grads(ours, s)
+        _set_grads(theirs, s)
+        a.step(), b.step(), sa.step(), sb.step()
+    assert a.param_groups[1]["lr"] == b.param_groups[1]["lr"] != 5e-3
+    _close(ours, theirs, lr_max=5e-3 * 5, steps=100)
+    for p, q in zip(ours, theirs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            # differences enter only through Adam's L2 term and b1, b2 < 1 damp them
+            want = b.state[q][key]
+            torch.testing.assert_close(a.state[p][key], want, atol=1e-5 * want.abs().max().item(),
+                                       rtol=1e-5)
+        assert a.state[p]["step"].dtype == torch.float32 and a.state[p]["step"].item() == 100
+
+
+def test_bias_correction_off_matches_reference():
+    ours = _params()
+    ref = [p.detach().clone() for p in ours]
+    moments = [(torch.zeros(p.numel()), torch.zeros(p.numel())) for p in ours]
+    opt = CPUAdam(ours, lr=2e-3, weight_decay=0.05, bias_correction=False)
+    for s in range(1, 21):
+        _set_grads(ours, s)
+        opt.step()
+        for p, r, (m, v) in zip(ours, ref, moments):
+            adam_update_reference(r.view(-1), p.grad.view(-1), m, v, step=s, lr=2e-3,
+                                  beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05,
+                                  bias_correction=False)
+    _close(ours, ref, lr_max=2e-3, steps=20)
+
+
+def test_none_grads_are_skipped():
+    params = _params()
+    opt = CPUAdam(params)
+    _set_grads(params, 1)
+    params[2].grad = None
+    before = params[2].detach().clone()
+    opt.step()
+    assert torch.equal(params[2], before) and params[2] not in opt.state
+    assert len(opt.state) == len(params) - 1
+
+
+def test_closure_and_version_counter():
+    params = _params()
+    opt = CPUAdam(params)
+    _set_grads(params, 1)
+    v0 = params[0]._version
+    assert opt.step(lambda: torch.tensor(3.0)).item() == 3.0
+    assert params[0]._version > v0  # autograd learns the kernel wrote the parameter
+
+
+def _roundtrip(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_save_load_continues_exactly():
+    ref, resumed = _params(), _params()
+    opt = CPUAdam(_groups(ref), lr=1e-3)
+    _train(opt, ref, 10)
+    saved = _roundtrip(opt.state_dict())
+    _train(opt, ref, 10, start=11)
+    first = CPUAdam(_groups(resumed), lr=1e-3)
+    _train(first, resumed, 10)
+    snapshot = [p.detach().clone() for p in resumed]
+    fresh = CPUAdam(_groups(resumed), lr=1e-3)
+    fresh.load_state_dict(saved)
+    for p, s in zip(resumed, snapshot):
+        p.data.copy_(s)
+    _train(fresh, resumed, 10, start=11)
+    for p, q in zip(ref, resumed):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh.state[q]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("adamw_mode, torch_cls", [(True, torch.optim.AdamW),
+                                                   (False, torch.optim.Adam)])
+def test_state_dict_moves_both_ways_with_torch(adamw_mode, torch_cls):
+    kw = dict(lr=2e-3, weight_decay=0.02)
+    # CPUAdam -> torch, continued on both sides
+    ours, theirs = _params(), _params()
+    a = CPUAdam(ours, adamw_mode=adamw_mode, **kw)
+    _train(a, ours, 5)
+    with torch.no_grad():
+        for p, q in zip(ours, theirs):
+            q.copy_(p)
+    b = torch_cls(theirs, **kw)
+    b.load_state_dict(_roundtrip(a.state_dict()))
+    assert b.param_groups[0]["decoupled_weight_decay"] is adamw_mode
+    _train(a, ours, 5, start=6)
+    _train(b, theirs, 5, start=6)
+    _close(ours, theirs, lr_max=2e-3, steps=5)
+    # torch -> CPUAdam constructed in the *other* mode: the checkpoint's mode wins
+    c = CPUAdam(copy.deepcopy(ours), adamw_mode=not adamw_mode, **kw)
+    c.load_state_dict(_roundtrip(b.state_dict()))
+    assert c.param_groups[0]["decoupled_weight_decay"] is adamw_mode
+    with torch.no_grad():
+        for p, q in zip(c.param_groups[0]["params"], theirs):
+            p.copy_(q)
+    _train(b, theirs, 5, start=11)
+    _train(c, c.param_groups[0]["params"], 5, start=11)
+    _close(c.param_groups[0]["params"], theirs, lr_max=2e-3, steps=5)
+    st = c.state[c.param_groups[0]["params"][0]]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["step"].item() == 15
+
+
+def test_named_params_and_adamw_mode_group_key():
+    model = torch.nn.Linear(3, 2)
+    opt = CPUAdam(list(model.named_parameters()))
+    extra = [("extra", torch.nn.Parameter(torch.zeros(4)))]
+    opt.add_param_group({"params": extra, "adamw_mode": False})
+    assert opt.param_groups[1]["decoupled_weight_decay"] is False
+    with pytest.raises(TypeError, match="parameter 'bias' must be float32"):
+        bad = torch.nn.Linear(3, 2).double()
+        CPUAdam(list(bad.named_parameters())[1:])
+
+
+def _bad_param_cases():
+    yield "device", lambda: [torch.zeros(3, device="meta", requires_grad=True)], ValueError
+    yield "float64", lambda: [torch.zeros(3, dtype=torch.float64, requires_grad=True)], TypeError
+    yield "contiguous", lambda: [torch.zeros(4, 3).t().requires_grad_()], ValueError
+
+
+@pytest.mark.parametrize("text, make, exc", list(_bad_param_cases()))
+def test_bad_params_rejected_at_construction(text, make, exc):
+    with pytest.raises(exc, match=f"parameter 1 of param group 0.*{text}|{text}.*parameter 1"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(2)), *make()])
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(lr=-1e-3), ValueError, "lr"),
+    (dict(eps=-1e-8), ValueError, "eps"),
+    (dict(betas=(1.0, 0.999)), ValueError, r"betas\[0\]"),
+    (dict(betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
+    (dict(betas=(0.9,)), ValueError, "betas"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    (dict(amsgrad=True), ValueError, "amsgrad"),
+    (dict(adamw_mode="yes"), TypeError, "decoupled_weight_decay"),
+])
+def test_bad_hyperparameters_rejected(kwargs, exc, text):
+    with pytest.raises(exc, match=text):
+        CPUAdam(_params(), **kwargs)
+
+
+def test_bad_group_rejected_and_not_added():
+    opt = CPUAdam(_params())
+    with pytest.raises(ValueError, match="lr of param group 1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1.0})
+    assert len(opt.param_groups) == 1
+
+
+def _assert_step_raises_untouched(opt, params, exc, text):
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(exc, match=text):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    assert not opt.state  # no state created for anyone, not even the good params
+
+
+def test_grad_of_another_shape_raises_before_any_state():
+    params = _params()
+    opt = CPUAdam(params)
+    _set_grads(params, 1)
+    params[4].data = torch.zeros(3, 7)  # e.g. a resized embedding; the grad is still (7, 3)
+    _assert_step_raises_untouched(opt, params, ValueError, "parameter 4 of param group 0")
+
+
+def test_non_contiguous_grad_raises_before_any_state():
+    params = _params()
+    opt = CPUAdam(params)
+    _set_grads(params, 1)
+    params[4].grad = torch.zeros(3, 7).t()
+    _assert_step_raises_untouched(opt, params, ValueError, "gradient of parameter 4.*contiguous")
+
+
+def test_changed_group_hyperparameter_raises_at_step():
+    params = _params()
+    opt = CPUAdam(params)
+    _set_grads(params, 1)
+    opt.param_groups[0]["lr"] = -0.1
+    _assert_step_raises_untouched(opt, params, ValueError, "lr of param group 0")
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.param_groups[0]["amsgrad"] = True
+    _assert_step_raises_untouched(opt, params, ValueError, "amsgrad")
