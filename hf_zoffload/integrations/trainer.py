@@ -1,0 +1,311 @@
+"""ZeRO-Offload for `transformers.Trainer` users: one argument, ``zero_offload=True``.
+
+`ZeroOffloadTrainingArguments` adds ``--zero_offload`` and one ``--zero_offload_<knob>`` per
+`ZeroOffloadPlugin` setting; `ZeroOffloadTrainer` builds the offload engine in place of the
+Trainer's AdamW. With ``zero_offload`` off the Trainer is the stock one: every override below
+hands straight to `Trainer`.
+
+How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.x):
+
+- Optimizer: `create_optimizer` (the documented override point) builds the engine over the
+  Trainer's decay / no-decay groups and wraps it in `_OffloadedOptimizer`, an
+  `AcceleratedOptimizer` already marked prepared, so ``accelerator.prepare`` registers it as is:
+  the stock wrapper would copy the host state to the device (12 B/param, what offload exists to
+  avoid) and patch ``step`` for a torch GradScaler we do not use.
+- Loss scale: the engine's `DynamicLossScaler` becomes ``accelerator.scaler`` (fp16 only), so
+  ``accelerator.backward`` scales the loss and the Trainer saves / loads it as ``scaler.pt``.
+- Precision: accelerate's autocast is turned off for offload runs (`_build_accelerator_args`):
+  the engine already holds the params in the compute dtype; autocast over them would recast
+  per op, differ from what the engine computes, and for fp16 on a CPU accelerate refuses to
+  start at all.
+- Clipping and ``grad_norm``: the Trainer clips through ``accelerator.clip_grad_norm_``, which
+  sees no ``.grad`` once the hooks have streamed them to the host. That method is patched on
+  this Trainer's accelerator only, to the engine's ``clip_grad_norm_`` (unscaled global norm).
+- Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
+  ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import field, make_dataclass
+
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from ..config import CONFIG_ENV, ZeroOffloadPlugin, env_values, read_yaml
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS"]
+
+# The engine is AdamW (decoupled weight decay) with torch's hyperparameters and state keys;
+# these are the Trainer optimizers with exactly that update rule.
+ALLOWED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+_TIMINGS = ("fwd_bwd", "d2h", "cpu_adam", "h2d")
+_MULTI_PROCESS = "multi-process ZeRO-Offload arrives with data-parallel partitioning"
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+# --------------------------------------------------------------------------- arguments
+def _argument_fields() -> list[tuple]:
+    out = [("zero_offload", bool, field(default=False, metadata={
+        "help": "Keep fp32 master weights and Adam state in host memory and run AdamW there "
+                "(ZeRO-Offload); the device keeps the compute-dtype params only."}))]
+    for f in dataclasses.fields(ZeroOffloadPlugin):
+        kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
+        meta = {"help": "ZeRO-Offload: " + ZeroOffloadPlugin.help(f.name)
+                + " Unset: HF_ZOFFLOAD_" + f.name.upper() + ", the zoffload yaml, the default."}
+        if f.name == "compute_dtype":
+            meta["help"] += " With the Trainer, --fp16 / --bf16 choose it (neither: fp32)."
+        if f.name == "max_grad_norm":
+            meta["help"] += " With the Trainer, --max_grad_norm sets it."
+        if f.metadata["choices"]:
+            meta["choices"] = list(f.metadata["choices"])
+        if kind is bool:  # `--zero_offload_pin_memory` alone means true, as for --fp16
+            meta.update(nargs="?", const=True)
+        out.append((f"zero_offload_{f.name}", kind | None, field(default=None, metadata=meta)))
+    return out
+
+
+def _check_args(self) -> None:
+    """Conflicts visible in the arguments alone; run before TrainingArguments' own checks,
+    whose messages would not name ZeRO-Offload (e.g. --deepspeed tries to import it)."""
+    if self.deepspeed:
+        raise ValueError("--zero_offload and --deepspeed cannot be combined: both own the "
+                         "optimizer state. Drop --deepspeed, or drop --zero_offload and use "
+                         "DeepSpeed's own offload_optimizer")
+    if self.fsdp:
+        raise ValueError(f"--zero_offload and --fsdp {self.fsdp!r} cannot be combined: FSDP "
+                         "shards the parameters the engine keeps whole. Drop one of them")
+    optim = getattr(self.optim, "value", self.optim)
+    if optim not in ALLOWED_OPTIMS:
+        raise ValueError(f"--zero_offload runs AdamW on the host, so --optim {optim!r} cannot "
+                         f"be used with it; allowed: {', '.join(ALLOWED_OPTIMS)}")
+
+
+def _sourced() -> tuple[dict, str]:
+    """The yaml + environment settings (what from_sources would read) and where from."""
+    values, where = {}, []
+    if os.environ.get(CONFIG_ENV):
+        values.update(read_yaml(os.environ[CONFIG_ENV]))
+        where.append(os.environ[CONFIG_ENV])
+    env = env_values()
+    values.update(env)
+    return values, " / ".join(where + ["HF_ZOFFLOAD_* variables"])
+
+
+def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
+    """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
+    defaults, with the compute dtype and the clip norm taken from the Trainer's own options."""
+    given = {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
+             if getattr(self, f"zero_offload_{n}") is not None}
+    sourced, where = _sourced()
+
+    flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
+    if "compute_dtype" in given:
+        dtype, origin = given["compute_dtype"], "--zero_offload_compute_dtype"
+    else:
+        dtype, origin = sourced.get("compute_dtype"), f"compute_dtype in {where}"
+    dtype = None if dtype is None else str(dtype).strip().lower()
+    if flag and dtype is not None and dtype != flag:
+        raise ValueError(f"--{flag} conflicts with {origin} = {dtype!r}: the compute dtype is "
+                         f"set once; drop one of them")
+    # No flag and nothing explicit: fp32, as the stock Trainer without --fp16/--bf16 (the
+    # plugin's own default, bf16, is for callers that ask for nothing).
+    given["compute_dtype"] = flag or dtype or "fp32"
+
+    if "max_grad_norm" in given and float(given["max_grad_norm"]) != float(self.max_grad_norm):
+        raise ValueError(f"--zero_offload_max_grad_norm {given['max_grad_norm']} conflicts with "
+                         f"--max_grad_norm {self.max_grad_norm}: the Trainer clips through "
+                         "--max_grad_norm; set that one")
+    if "max_grad_norm" in sourced and not math.isclose(float(sourced["max_grad_norm"]),
+                                                       float(self.max_grad_norm)):
+        logger.warning("max_grad_norm %s from %s is replaced by the Trainer's --max_grad_norm %s",
+                       sourced["max_grad_norm"], where, self.max_grad_norm)
+    given["max_grad_norm"] = self.max_grad_norm
+    return ZeroOffloadPlugin.from_sources(**given)
+
+
+def _post_init(self) -> None:
+    # Checked with or without offload: TrainingArguments rejects the pair too, but on a
+    # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
+    if self.fp16 and self.bf16:
+        raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
+                         "becomes the compute dtype), or neither for fp32")
+    if self.zero_offload:
+        _check_args(self)
+    TrainingArguments.__post_init__(self)
+    if self.zero_offload:
+        self.zero_offload_plugin()  # bad values fail here, before any model work
+
+
+# Generated from the plugin's fields so that a new knob is a new argument with no edit here;
+# module-level so that training_args.bin (a pickle) loads wherever hf_zoffload is installed.
+ZeroOffloadTrainingArguments = make_dataclass(
+    "ZeroOffloadTrainingArguments",
+    _argument_fields(),
+    bases=(TrainingArguments,),
+    namespace={
+        "__post_init__": _post_init,
+        "zero_offload_plugin": _zero_offload_plugin,
+        "__doc__": "TrainingArguments plus `zero_offload` and one `zero_offload_<knob>` per "
+                   "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "
+                   "default). --fp16 / --bf16 choose the compute dtype, --max_grad_norm the "
+                   "clip norm.",
+    },
+)
+ZeroOffloadTrainingArguments.__module__ = __name__  # make_dataclass(module=) is 3.12+
+
+
+# --------------------------------------------------------------------------- optimizer
+class _OffloadedOptimizer(AcceleratedOptimizer):
+    """The engine as accelerate sees it: no state move to the device, no GradScaler patch
+    (the engine unscales, checks and skips inside its own step), and the engine's skip
+    reported to the Trainer. Also sums the engine's per-step timings for the log window."""
+
+    def __init__(self, engine):
+        super().__init__(engine, device_placement=False, scaler=None)
+        self._is_accelerate_prepared = True
+        self.window = dict.fromkeys(_TIMINGS, 0.0)
+        self.counts = dict.fromkeys(_TIMINGS, 0)
+        self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self.optimizer.last_step_skipped)
+
+    def step(self, closure=None):
+        synced = self.gradient_state.sync_gradients
+        out = super().step(closure)
+        if synced:
+            for k in _TIMINGS:
+                if not (k == "fwd_bwd" and self.first):
+                    self.window[k] += self.optimizer.timings.get(k, 0.0)
+                    self.counts[k] += 1
+            self.first = False
+        return out
+
+    def take_window(self) -> dict:
+        """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
+        time between two optimizer steps: forward, backward and the loop's own work."""
+        out = {f"{k}_ms": round(1e3 * v / max(self.counts[k], 1), 3)
+               for k, v in self.window.items()}
+        self.window = dict.fromkeys(_TIMINGS, 0.0)
+        self.counts = dict.fromkeys(_TIMINGS, 0)
+        return out
+
+
+class _MemoryReport(TrainerCallback):
+    """Logs the engine's model-state memory once, when training begins."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._log_memory_report()
+
+
+# --------------------------------------------------------------------------- trainer
+class ZeroOffloadTrainer(Trainer):
+    """`Trainer` that, with ``args.zero_offload``, trains through the ZeRO-Offload engine."""
+
+    def __init__(self, *args, **kwargs):
+        import inspect
+
+        bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
+        targs = bound.get("args")
+        if getattr(targs, "zero_offload", False):
+            given = [name for name, unset in (("optimizers", (None, None)),
+                                              ("optimizer_cls_and_kwargs", None))
+                     if bound.get(name, unset) not in (unset, None)]
+            if given:
+                given = "=, ".join(given) + "="
+                raise ValueError(f"zero_offload=True builds its own optimizer and scheduler: "
+                                 f"do not pass {given} to ZeroOffloadTrainer (set the "
+                                 "learning rate and schedule in the arguments instead)")
+            world = max(targs.world_size, targs.n_gpu)
+            if world > 1:
+                raise ValueError(f"zero_offload=True with {world} processes/devices: "
+                                 f"{_MULTI_PROCESS}; run one process on one device for now")
+        super().__init__(*args, **kwargs)
+        if not self.zero_offload:
+            return
+        if self.is_deepspeed_enabled:
+            raise ValueError("zero_offload=True and a DeepSpeed accelerate config cannot be "
+                             "combined; launch without DeepSpeed")
+        if self.is_fsdp_enabled:
+            raise ValueError("zero_offload=True and an FSDP accelerate config cannot be "
+                             "combined; launch without FSDP")
+        self._memory_logged = False
+        self.add_callback(_MemoryReport(self))
+
+    @property
+    def zero_offload(self) -> bool:
+        return bool(getattr(self.args, "zero_offload", False))
+
+    def _build_accelerator_args(self, **kwargs):
+        out = super()._build_accelerator_args(**kwargs)
+        if self.zero_offload:
+            out["mixed_precision"] = "no"  # the engine does mixed precision (module docstring)
+        return out
+
+    @property
+    def engine(self):
+        """The `ZeroOffloadOptimizer`, once created (None before, or without offload)."""
+        opt = getattr(self, "optimizer", None)
+        return opt.optimizer if isinstance(opt, _OffloadedOptimizer) else None
+
+    def create_optimizer(self, model=None):
+        if not self.zero_offload:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            from ..offload.engine import ZeroOffloadOptimizer
+
+            opt_model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay],
+                 "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            engine = ZeroOffloadOptimizer(
+                [g for g in groups if g["params"]], lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+                weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin())
+            if engine.loss_scaler.is_enabled():
+                self.accelerator.scaler = engine.loss_scaler
+            # Patched on this instance only: the Trainer clips (and reads grad_norm) through
+            # accelerator.clip_grad_norm_(model.parameters(), ...), in every transformers
+            # version; the grads are on the host by then, only the engine can answer.
+            self.accelerator.clip_grad_norm_ = (
+                lambda parameters, max_norm, norm_type=2: engine.clip_grad_norm_(
+                    max_norm, norm_type))
+            self.optimizer = _OffloadedOptimizer(engine)
+        return self.optimizer
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        engine = self.engine
+        if engine is not None and "loss" in logs:  # a training-step entry
+            if engine.loss_scaler.is_enabled():
+                logs["loss_scale"] = engine.loss_scaler.loss_scale
+            logs["skipped_steps"] = engine.skipped_steps
+            logs.update(self.optimizer.take_window())
+        super().log(logs, *args, **kwargs)
+
+    def _log_memory_report(self) -> None:
+        engine = self.engine
+        if engine is None or self._memory_logged:
+            return
+        self._memory_logged = True
+        from ..offload.memory import format_report
+
+        report = engine.memory_report()
+        logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
+        self.log({"offload_device_mib": round(report["device_total"] / 2**20, 3),
+                  "offload_host_mib": round(report["host_total"] / 2**20, 3),
+                  "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)})

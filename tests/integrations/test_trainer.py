@@ -1,0 +1,283 @@
+"""ZeroOffloadTrainer against the stock Trainer and a plain mixed-precision reference (CPU)."""
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+    get_scheduler,
+)
+
+from hf_zoffload.config import ZeroOffloadPlugin
+from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+
+VOCAB, SEQ = 64, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed random token blocks; every label counts (no padding), so losses are plain means."""
+
+    def __init__(self, n=32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
+                                      n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=2, max_position_embeddings=SEQ))
+
+
+# gradient accumulation 2, clipping that bites (norms start near 1.5-3) and cosine with warm-up
+COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+              learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="cosine",
+              warmup_steps=2, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, optim="adamw_torch")
+
+
+def run(tmp_path, model, *, offload=None, trainer_cls=None, data=None, resume=None, **kw):
+    """Train; return (trainer, [per-step log entries])."""
+    opts = dict(COMMON, output_dir=str(tmp_path), **kw)
+    if offload is None:
+        args, trainer_cls = TrainingArguments(**opts), trainer_cls or Trainer
+    else:
+        args = ZeroOffloadTrainingArguments(zero_offload=offload, **opts)
+        trainer_cls = trainer_cls or ZeroOffloadTrainer
+    trainer = trainer_cls(model=model, args=args, train_dataset=data or Tokens())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, [e for e in trainer.state.log_history if "loss" in e]
+
+
+def column(logs, key):
+    return [e[key] for e in logs]
+
+
+# ------------------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_fp32_matches_stock_adamw(tmp_path, make):
+    _, ref = run(tmp_path / "stock", make())
+    trainer, got = run(tmp_path / "offload", make(), offload=True)
+    assert trainer.engine is not None and trainer.engine.plugin.compute_dtype == "fp32"
+    assert len(got) == len(ref) == COMMON["max_steps"]
+    assert max(column(ref, "grad_norm")) > COMMON["max_grad_norm"]  # clipping was active
+    # fp32 rounding: the CPU-Adam and torch's AdamW order their float ops differently (1e-7
+    # relative per op). Measured over these 6 steps: losses equal, grad norms within 1.3e-6.
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-5)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-5)
+    assert column(got, "learning_rate") == column(ref, "learning_rate")
+
+
+def test_off_is_the_stock_trainer(tmp_path):
+    _, ref = run(tmp_path / "stock", gpt2(), max_steps=2)
+    trainer, got = run(tmp_path / "off", gpt2(), offload=False, max_steps=2)
+    assert trainer.engine is None
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
+    assert got == ref  # bit for bit, every logged key
+
+
+def reference_bf16(model, data, *, steps, shifted_count):
+    """Plain mixed precision: bf16 params for forward/backward, fp32 master weights and
+    AdamW state, micro-batch grads summed in fp32, global-norm clipping, cosine warm-up.
+    ``shifted_count``: whether the Trainer counts the loss's items over ``labels[:, 1:]``
+    (it decides per model class; the GPT-2 and Llama classes differ)."""
+    a = COMMON
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    master = {n: p.detach().float().clone() for n, p in named}
+    model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(
+        [{"params": [master[n] for n, _ in named if n in decay], "weight_decay": a["weight_decay"]},
+         {"params": [master[n] for n, _ in named if n not in decay], "weight_decay": 0.0}],
+        lr=a["learning_rate"], betas=(0.9, 0.999), eps=1e-8)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=a["warmup_steps"],
+                          num_training_steps=steps)
+    bsz, gas, logs, i = a["per_device_train_batch_size"], a["gradient_accumulation_steps"], [], 0
+    for _ in range(steps):
+        micro = []
+        for _ in range(gas):
+            micro.append(data.ids[i:i + bsz])
+            i += bsz
+        n_items = sum(int(m[:, int(shifted_count):].numel()) for m in micro)
+        acc = {n: torch.zeros_like(master[n]) for n, _ in named}
+        loss_sum = 0.0
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=n_items).loss
+            loss.backward()
+            loss_sum += loss.item()
+            for n, p in named:
+                acc[n] += p.grad.float()
+                p.grad = None
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                     for g in acc.values()])).item()
+        coef = min(1.0, a["max_grad_norm"] / (norm + 1e-6))
+        for n, _ in named:
+            master[n].grad = acc[n] * coef
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(master[n])
+        logs.append({"loss": loss_sum, "grad_norm": norm, "learning_rate": lr})
+    return logs
+
+
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_bf16_matches_plain_mixed_precision(tmp_path, make):
+    data = Tokens()
+    trainer, got = run(tmp_path, make(), offload=True, bf16=True, data=data,
+                       train_sampling_strategy="sequential")
+    ref = reference_bf16(make(), data, steps=COMMON["max_steps"],
+                         shifted_count=trainer._loss_shifts_labels)
+    assert trainer.engine.plugin.compute_dtype == "bf16"
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    # Same bf16 forward/backward on the same bf16 params; the only difference is the fp32
+    # AdamW's op order (1e-7 relative), which now and then flips the bf16 rounding of a param
+    # by one ulp (2**-8 relative). Measured: losses within 4.3e-5, grad norms within 4.0e-4
+    # (Llama; GPT-2 3e-7 and 1e-5). Bounds: 10x and 5x those, far below a real bug (a wrong
+    # scale, clip or missed micro-batch moves the first steps' losses by 1e-2 or more).
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=5e-4)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-3)
+    assert column(got, "learning_rate") == pytest.approx(column(ref, "learning_rate"))
+
+
+# ------------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_resume_continues_the_same_run(tmp_path, precision):
+    kw = {precision: True, "save_strategy": "steps", "save_steps": 3}
+    if precision == "fp16":
+        kw["zero_offload_init_scale"] = 2.0**10  # a scale fp16 grads of this model survive
+    _, full = run(tmp_path / "full", gpt2(), offload=True, **kw)
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    names = set(os.listdir(ckpt))
+    assert {"optimizer.pt", "scheduler.pt"} <= names
+    assert ("scaler.pt" in names) == (precision == "fp16")
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert all("master" in s and s["exp_avg"].device.type == "cpu"
+               for s in state["state"].values())
+
+    trainer, resumed = run(tmp_path / "resumed", gpt2(), offload=True, resume=str(ckpt), **kw)
+    resumed = [e for e in resumed if e["step"] > 3]  # the checkpoint's history comes first
+    assert column(resumed, "loss") == column(full, "loss")[3:]  # bit for bit
+    assert column(resumed, "grad_norm") == column(full, "grad_norm")[3:]
+    engine = trainer.engine
+    assert all(b.master.device.type == "cpu" for b in engine.buckets)
+
+
+# ------------------------------------------------------------------------ logging, scaler
+def test_logs_scale_skips_time_split_and_memory(tmp_path, caplog):
+    caplog.set_level("INFO", logger="hf_zoffload")
+    # 2**40 overflows fp16 grads: the first step is skipped and the scale backs off to 2**10,
+    # which the later steps survive.
+    trainer, logs = run(tmp_path, gpt2(), offload=True, fp16=True, max_steps=4,
+                        zero_offload_init_scale=2.0**40, zero_offload_hysteresis=1,
+                        zero_offload_backoff_factor=2.0**-30)
+    assert trainer.accelerator.scaler is trainer.engine.loss_scaler
+    first = logs[0]
+    for key in ("loss_scale", "skipped_steps", "fwd_bwd_ms", "d2h_ms", "cpu_adam_ms", "h2d_ms"):
+        assert key in first, key
+    assert first["skipped_steps"] == 1 and first["loss_scale"] == 2.0**10
+    assert not math.isfinite(first["grad_norm"])
+    assert [e["skipped_steps"] for e in logs] == [1, 1, 1, 1]
+    # the scheduler held on the skipped step: step 2 uses the warm-up's first lr again
+    assert logs[1]["learning_rate"] == logs[0]["learning_rate"] < logs[2]["learning_rate"]
+    mem = [e for e in trainer.state.log_history if "offload_host_mib" in e]
+    assert len(mem) == 1 and mem[0]["plain_adamw_device_mib"] > mem[0]["offload_device_mib"]
+    assert "plain AMP AdamW would need" in caplog.text
+
+
+# ------------------------------------------------------------------------ arguments
+def test_arguments_reach_the_plugin(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ZOFFLOAD_GROWTH_INTERVAL", "7")
+    monkeypatch.setenv("HF_ZOFFLOAD_BUCKET_SIZE_MB", "4")
+    parser = HfArgumentParser(ZeroOffloadTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--zero_offload", "--bf16", "--use_cpu",
+        "--zero_offload_bucket_size_mb", "0.5", "--zero_offload_pin_memory", "false",
+        "--max_grad_norm", "0.25"])
+    plugin = args.zero_offload_plugin()
+    assert (plugin.compute_dtype, plugin.bucket_size_mb, plugin.pin_memory) == ("bf16", 0.5, False)
+    assert (plugin.growth_interval, plugin.max_grad_norm) == (7, 0.25)  # env; Trainer's norm
+    assert pickle.loads(pickle.dumps(args)).zero_offload_bucket_size_mb == 0.5
+    help_text = parser.format_help()
+    for name in ZeroOffloadPlugin.names():
+        assert f"--zero_offload_{name}" in help_text
+    plain = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True)
+    assert plain.zero_offload_plugin().compute_dtype == "fp32"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(deepspeed="ds_config.json"), "--deepspeed"),
+    (dict(fsdp="full_shard"), "--fsdp"),
+    (dict(optim="sgd"), "adamw_torch, adamw_torch_fused"),
+    (dict(fp16=True, bf16=True), "--fp16 and --bf16"),
+    (dict(bf16=True, zero_offload_compute_dtype="fp16"), "--bf16 conflicts with"),
+    (dict(max_grad_norm=1.0, zero_offload_max_grad_norm=2.0), "--max_grad_norm"),
+    (dict(zero_offload_bucket_size_mb=0), "bucket_size_mb"),
+], ids=["deepspeed", "fsdp", "optim", "fp16+bf16", "dtype", "clip", "bad-value"])
+def test_argument_errors(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
+                                     **kw)
+
+
+def test_env_dtype_conflict_names_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ZOFFLOAD_COMPUTE_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="--bf16 conflicts with compute_dtype in"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, bf16=True,
+                                     use_cpu=True)
+
+
+def test_trainer_errors(tmp_path, monkeypatch):
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True,
+                                        use_cpu=True, report_to=[])
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="optimizers="):
+        ZeroOffloadTrainer(model=model, args=args, optimizers=(opt, None))
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs="):
+        ZeroOffloadTrainer(model=model, args=args,
+                           optimizer_cls_and_kwargs=(torch.optim.AdamW, {}))
+    monkeypatch.setattr(ZeroOffloadTrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="data-parallel partitioning"):
+        ZeroOffloadTrainer(model=model, args=args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_mixed_precision_runs_through_the_engine(tmp_path, precision):
+    from hf_zoffload.offload.stream import CudaTransport
+
+    trainer, logs = run(tmp_path, gpt2(), offload=True, use_cpu=False, max_steps=6,
+                        save_strategy="steps", save_steps=6, **{precision: True})
+    engine = trainer.engine
+    assert isinstance(engine.transport, CudaTransport)
+    assert next(trainer.model.parameters()).dtype == engine.plugin.torch_dtype
+    # ours, never accelerate's torch GradScaler; none at all for bf16
+    assert trainer.accelerator.scaler is (engine.loss_scaler if precision == "fp16" else None)
+    assert len(logs) == 6 and all(math.isfinite(e["loss"]) for e in logs)
+    state = torch.load(tmp_path / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    assert all(s["master"].device.type == "cpu" for s in state["state"].values())
