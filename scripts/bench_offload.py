@@ -5,6 +5,8 @@ bare CPU-Adam kernel over the same bytes, in one run (the engine's overhead).
 CUDA: tokens/s and peak device memory of a GPT-2 training step for ours (with and without the
 delayed update), plain AMP AdamW, and torchao's CPUOffloadOptimizer / DeepSpeed ZeRO-2 with
 optimizer offload when they are installed.
+``--world_size N`` (CPU, gloo, N processes on this machine): the bytes each rank hands to the
+collectives and writes to its sockets per step, against the theory (N-1)/N x 4 B/param.
 
 Prints a markdown table headed by the machine.
 """
@@ -12,7 +14,10 @@ Prints a markdown table headed by the machine.
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import platform
+import socket
 import statistics
 import time
 
@@ -90,6 +95,86 @@ def bench_cpu(args) -> list[str]:
         f"{args.bucket_size_mb:g} MiB) | {n/1e6:.1f}M | {step_s*1e3:.1f} | {gb/step_s:.1f} | "
         f"{step_s/kernel_s:.2f} |",
     ]
+
+
+def _wchar() -> int:
+    """Bytes this process has passed to write-type system calls (/proc/self/io), sockets
+    included: gloo's TCP transport writes with writev/sendmsg, which count here."""
+    with open("/proc/self/io") as fh:
+        return int(next(line for line in fh if line.startswith("wchar")).split()[1])
+
+
+def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    threads = max(1, args.threads // world)  # the ranks share this machine's cores
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes(args.layers)]
+    n = sum(p.numel() for p in params)
+    opt = ZeroOffloadOptimizer(params, lr=1e-4, plugin=ZeroOffloadPlugin(
+        compute_dtype="bf16", bucket_size_mb=args.bucket_size_mb, cpu_threads=threads))
+    coefs = [torch.tensor(1e-3 * (i + 1), dtype=torch.bfloat16) for i in range(len(params))]
+
+    def step():
+        sum((p * c).sum() for p, c in zip(params, coefs)).backward()
+        opt.step()
+
+    step()  # warm-up: first touch of every buffer
+    dist.barrier()
+    sent0, w0, t0 = dict(opt.dp.sent), _wchar(), time.perf_counter()
+    for _ in range(args.repeats):
+        step()
+    dt, wrote = time.perf_counter() - t0, _wchar() - w0
+    per_step = {k: (v - sent0[k]) / args.repeats for k, v in opt.dp.sent.items()}
+    torch.save({"n": n, "sent": per_step, "wchar": wrote / args.repeats,
+                "ms": dt / args.repeats * 1e3, "host": opt.memory_report()["host_total"],
+                "buckets": len(opt.buckets)}, out_path)
+    dist.destroy_process_group()
+
+
+def bench_world(args) -> list[str]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    n_ranks = args.world_size
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(n_ranks)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_dp_rank, args=(r, n_ranks, port, args, outs[r]))
+                 for r in range(n_ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        res = [torch.load(o) for o in outs]
+    n, frac = res[0]["n"], (n_ranks - 1) / n_ranks
+    rows = []
+
+    def row(what, nbytes, theory=""):
+        rows.append(f"| {what} | {nbytes / 2**20:.1f} | {nbytes / n:.3f} | {theory} |")
+
+    rs, ag = res[0]["sent"]["reduce_scatter"], res[0]["sent"]["all_gather"]
+    row("handed to reduce-scatter (the full 16-bit bucket)", rs, "2")
+    row("handed to all-gather (the rank's 16-bit shard)", ag, f"2/N = {2 / n_ranks:.3f}")
+    row("handed to all-reduce (flag, norm, per-param counts)", res[0]["sent"]["all_reduce"], "~0")
+    row("sent with ring collectives: RS x (N-1)/N + AG x (N-1)", rs * frac + ag * (n_ranks - 1),
+        f"(N-1)/N x 4 = {4 * frac:.3f}")
+    for r, x in enumerate(res):
+        row(f"rank {r}: written to its sockets (measured, /proc/self/io wchar)", x["wchar"],
+            f"{4 * frac:.3f} (gloo's reduce-scatter is an all-reduce: {6 * frac:.3f})")
+    rows.append(f"\n{n / 1e6:.1f}M bf16 params in {res[0]['buckets']} buckets; step "
+                f"{statistics.mean(x['ms'] for x in res):.0f} ms; host model states per rank "
+                + ", ".join(f"{x['host'] / 2**20:.0f} MiB" for x in res))
+    return rows
 
 
 def bench_cuda(args) -> list[str]:
@@ -189,7 +274,15 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--world_size", type=int, default=1,
+                    help="N > 1: N gloo processes on the CPU; reports bytes sent per step")
     args = ap.parse_args(argv)
+    if args.world_size > 1:
+        print(f"Machine: {cpu_name()}, {args.threads} threads shared by {args.world_size} "
+              f"ranks; torch {torch.__version__}, gloo\n")
+        print("| per rank, per step | MiB | B/param | theory B/param |\n|---|---|---|---|")
+        print("\n".join(bench_world(args)))
+        return
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     print(f"Machine: {cpu_name()}, {args.threads} threads"
           + (f", {torch.cuda.get_device_name()}" if cuda else "")

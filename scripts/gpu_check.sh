@@ -42,7 +42,7 @@ status=0
 "cuda", torch.version.cuda, "triton", triton.__version__)'; } 2>&1 | tee "$LOG_DIR/env.txt"
 python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$LOG_DIR/pytest_gpu.log" || status=1
 # Benchmarks: add new GPU benchmark scripts to this list.
-for bench in scripts/bench_scaling.py; do
+for bench in scripts/bench_scaling.py scripts/bench_offload.py; do
     python "$bench" 2>&1 | tee "$LOG_DIR/$(basename "$bench" .py).md" || status=1
 done
 echo "gpu_check: logs in $LOG_DIR; status $status"

@@ -90,6 +90,9 @@ def main(argv=None) -> dict:
     plugin = getattr(optimizer.optimizer, "plugin", None)  # reporting only: what was used
     result = {"zero_offload": args.zero_offload, "losses": losses, "grad_norms": norms,
               "lr": scheduler.get_last_lr()[0], "num_processes": accelerator.num_processes,
+              "model_class": type(model).__name__,
+              "world_size": torch.distributed.get_world_size()
+              if torch.distributed.is_initialized() else 1,
               "zoffload": plugin.to_dict() if plugin is not None else None}
     if accelerator.is_main_process:
         line = json.dumps(result)

@@ -84,25 +84,11 @@ class _OffloadedOptimizer(AcceleratedOptimizer):
         return bool(getattr(self.optimizer, "last_step_skipped", False))
 
 
-def _world_size(accelerator) -> int:
-    # torch.distributed too: under torchrun on CPUs accelerate 1.15 reports num_processes 1
-    # and distributed_type NO while the process group holds 2 ranks (measured).
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return max(accelerator.num_processes, world)
-
-
 def _check_accelerator(accelerator) -> None:
-    n = _world_size(accelerator)
-    if n > 1:
-        raise RuntimeError(
-            f"ZeRO-Offload runs in one process for now, but this job has "
-            f"{n}: data-parallel partitioning of the host state is not "
-            "implemented yet, and each process would train its own copy. Launch with "
-            "`--num_processes 1`, or set HF_ZOFFLOAD_ENABLED=false.")
-    if accelerator.distributed_type != DistributedType.NO:
+    allowed = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    if accelerator.distributed_type not in allowed:
         raise ValueError(
-            f"ZeRO-Offload needs accelerate's distributed_type NO, got "
+            f"ZeRO-Offload needs accelerate's distributed_type NO, MULTI_CPU or MULTI_GPU, got "
             f"{accelerator.distributed_type}: it replaces DeepSpeed/FSDP/Megatron optimizers "
             "and cannot run under them.")
     if str(accelerator.mixed_precision) not in ("no", "fp16", "bf16"):
@@ -312,7 +298,17 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
                              "model.to(accelerator.device), or pass a torch AdamW instead")
     _install(accelerator, engine)
     wrapped = _OffloadedOptimizer(engine)
-    return accelerator.prepare(*(wrapped if o is old else o for o in objects))
+    ready = []
+    for o in objects:
+        if o is old:
+            o = wrapped
+        elif isinstance(o, torch.nn.Module) and any(id(p) in ours for p in o.parameters()):
+            # No DDP wrapper: with several processes the engine reduce-scatters the grads
+            # itself; DDP would all-reduce them again and keep a full gradient copy on the
+            # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.
+            o = accelerator.prepare_model(o, evaluation_mode=True)
+        ready.append(o)
+    return accelerator.prepare(*ready)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

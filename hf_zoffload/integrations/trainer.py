@@ -31,10 +31,14 @@ import dataclasses
 import logging
 import math
 import os
+import warnings
 from dataclasses import field, make_dataclass
 
+import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..config import CONFIG_ENV, ZeroOffloadPlugin, env_values, read_yaml
 
@@ -46,7 +50,7 @@ __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS
 # these are the Trainer optimizers with exactly that update rule.
 ALLOWED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 _TIMINGS = ("fwd_bwd", "d2h", "cpu_adam", "h2d")
-_MULTI_PROCESS = "multi-process ZeRO-Offload arrives with data-parallel partitioning"
+_MULTI_DEVICE = "torch.nn.DataParallel is not supported"
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -200,12 +204,16 @@ class _OffloadedOptimizer(AcceleratedOptimizer):
 
 
 class _MemoryReport(TrainerCallback):
-    """Logs the engine's model-state memory once, when training begins."""
+    """When training begins (the model is prepared by then): checks that no wrapper such as
+    DDP came around the model, and logs the engine's model-state memory once."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        from ..offload.partition import check_model
+
+        check_model(self.trainer.model_wrapped)
         self.trainer._log_memory_report()
 
 
@@ -227,13 +235,20 @@ class ZeroOffloadTrainer(Trainer):
                 raise ValueError(f"zero_offload=True builds its own optimizer and scheduler: "
                                  f"do not pass {given} to ZeroOffloadTrainer (set the "
                                  "learning rate and schedule in the arguments instead)")
-            world = max(targs.world_size, targs.n_gpu)
-            if world > 1:
-                raise ValueError(f"zero_offload=True with {world} processes/devices: "
-                                 f"{_MULTI_PROCESS}; run one process on one device for now")
+            if targs.n_gpu > 1:
+                raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
+                                 f"({_MULTI_DEVICE}); launch one process per GPU with "
+                                 "torchrun, accelerate launch or hf-zoffload launch")
         super().__init__(*args, **kwargs)
         if not self.zero_offload:
             return
+        # With several processes the engine reduce-scatters the gradients itself; a DDP
+        # wrapper would all-reduce them a second time and keep a full gradient copy on the
+        # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.
+        prepare_model = self.accelerator.prepare_model
+        self.accelerator.prepare_model = (
+            lambda model, device_placement=None, evaluation_mode=False: prepare_model(
+                model, device_placement=device_placement, evaluation_mode=True))
         if self.is_deepspeed_enabled:
             raise ValueError("zero_offload=True and a DeepSpeed accelerate config cannot be "
                              "combined; launch without DeepSpeed")
@@ -287,6 +302,31 @@ class ZeroOffloadTrainer(Trainer):
                     max_norm, norm_type))
             self.optimizer = _OffloadedOptimizer(engine)
         return self.optimizer
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # The Trainer calls optimizer.state_dict() on the saving rank only; with N ranks the
+        # engine's state_dict is a gather every rank must enter, so all ranks gather here.
+        if self.engine is not None and self.engine.dp is not None:
+            self.engine.consolidate_state_dict()
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if self.engine is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # The stock path maps optimizer.pt onto each GPU when world_size > 1 (~16 B/param of
+        # fp32 state per GPU, the very memory offload saves); the engine copies into host
+        # buffers anyway, so read it on the CPU, memory-mapped.
+        opt_path = os.path.join(checkpoint, OPTIMIZER_NAME)
+        sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not (os.path.isfile(opt_path) and os.path.isfile(sched_path)):
+            return None
+        self.optimizer.load_state_dict(
+            torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True))
+        with warnings.catch_warnings(record=True) as caught:
+            self.lr_scheduler.load_state_dict(
+                torch.load(sched_path, map_location="cpu", weights_only=True))
+        reissue_pt_warnings(caught)
+        return None
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         engine = self.engine

@@ -6,6 +6,11 @@ the engine (master taken from the params) and ours into AdamW (``master`` is ign
 Everything is plain tensors and numbers: it loads with ``torch.load(weights_only=True)``.
 Loading copies into the host buffers, so state stays on the host whatever ``map_location`` put
 the tensors on.
+
+With N ranks the format is the same, whole state (gathered onto one rank when saving), so a
+checkpoint saved with N ranks loads with any M: each rank copies out its own shard. Chosen
+over per-rank shard files because it needs no index, loads into torch's AdamW and into one
+process, and costs the saving rank one full copy of the state (16 B/param) at save time.
 """
 
 from __future__ import annotations
@@ -16,9 +21,18 @@ FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-def state_dict(opt) -> dict:
-    state = {}
+def state_dict(opt, *, to: int = 0) -> dict:
+    """The whole state; with N ranks a collective that leaves it on rank ``to`` only (the
+    other ranks get the same dict with no state, marked so that loading it fails)."""
+    state, shell = {}, opt.dp is not None and opt.dp.rank != to
     for b in opt.buckets:
+        if opt.dp is not None:
+            whole = opt.dp.gather_state(b, to=to)  # [3, padded] on rank `to`, else None
+            if whole is None:
+                continue
+            master, exp_avg, exp_avg_sq = whole
+        else:
+            master, exp_avg, exp_avg_sq = b.master, b.exp_avg, b.exp_avg_sq
         for s in b.slots:
             if opt._steps[s.index] == 0:
                 continue  # torch keeps no state for a param that never stepped
@@ -27,9 +41,9 @@ def state_dict(opt) -> dict:
             # clone: a view would pickle the whole flat bucket storage with each param
             state[s.index] = {
                 "step": torch.tensor(float(opt._steps[s.index])),
-                "exp_avg": b.exp_avg[sl].view(shape).clone(),
-                "exp_avg_sq": b.exp_avg_sq[sl].view(shape).clone(),
-                "master": b.master[sl].view(shape).clone(),
+                "exp_avg": exp_avg[sl].view(shape).clone(),
+                "exp_avg_sq": exp_avg_sq[sl].view(shape).clone(),
+                "master": master[sl].view(shape).clone(),
             }
     groups, index = [], 0
     for g in opt.param_groups:
@@ -45,6 +59,8 @@ def state_dict(opt) -> dict:
             "loss_scaler": opt.loss_scaler.state_dict(),
             "skipped_steps": opt.skipped_steps,
             "applied_steps": opt._applied_steps,
+            "world_size": 1 if opt.dp is None else opt.dp.world,
+            **({"shell_of_rank": opt.dp.rank} if shell else {}),
         },
     }
 
@@ -53,6 +69,10 @@ def load_state_dict(opt, sd: dict) -> None:
     """Validate everything first, then copy; a bad checkpoint changes nothing."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
+    if "shell_of_rank" in sd.get("zero_offload", {}):
+        raise ValueError(
+            f"this optimizer state_dict was returned on rank {sd['zero_offload']['shell_of_rank']}"
+            " of a data-parallel run and holds no state: save the one rank 0 returns")
     groups = sd["param_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer has "
@@ -90,29 +110,37 @@ def load_state_dict(opt, sd: dict) -> None:
                 ours[k] = tuple(saved[k]) if k == "betas" else saved[k]
     loaded = set()
     for b, s, st in plan:
-        sl = slice(s.offset, s.offset + s.numel)
-        b.exp_avg[sl].copy_(st["exp_avg"].reshape(-1))
-        b.exp_avg_sq[sl].copy_(st["exp_avg_sq"].reshape(-1))
+        own, mine = _own(b, s)  # this rank's part: host slice, slice of the param
+        b.exp_avg[own].copy_(st["exp_avg"].reshape(-1)[mine])
+        b.exp_avg_sq[own].copy_(st["exp_avg_sq"].reshape(-1)[mine])
         if "master" in st:
-            b.master[sl].copy_(st["master"].reshape(-1))
+            master = st["master"].reshape(-1)
+            b.master[own].copy_(master[mine])
+            # the device params follow the master weights (every rank has all of them)
+            s.flat().copy_(master)
         else:  # an AdamW checkpoint: the params are the best fp32 weights we have
-            b.master[sl].copy_(s.param.detach().reshape(-1))
+            b.master[own].copy_(s.param.detach().reshape(-1)[mine])
         opt._steps[s.index] = int(float(st["step"]))
         loaded.add(s.index)
     for b in opt.buckets:
         for s in b.slots:
             if s.index not in loaded:  # no saved state: as if it never stepped
-                sl = slice(s.offset, s.offset + s.numel)
-                b.exp_avg[sl].zero_()
-                b.exp_avg_sq[sl].zero_()
-                b.master[sl].copy_(s.param.detach().reshape(-1))
+                own, mine = _own(b, s)
+                b.exp_avg[own].zero_()
+                b.exp_avg_sq[own].zero_()
+                b.master[own].copy_(s.param.detach().reshape(-1)[mine])
                 opt._steps[s.index] = 0
-        # the device params and the staging copy follow the master weights
-        b.params.copy_(b.master)
-        if b.param_host is not None:
-            b.param_host.copy_(b.master)
+        if b.param_host is not None:  # the staging copy mirrors the device params
+            b.copy_from_params(b.param_host, b.start)
     if "loss_scaler" in extra:
         opt.loss_scaler.load_state_dict(extra["loss_scaler"])
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
     opt._applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()
+
+
+def _own(b, s) -> tuple[slice, slice]:
+    """Where slot ``s``'s elements that this rank holds sit: in the host buffers, in the
+    flattened param. Empty slices when the slot lies outside this rank's shard."""
+    lo, hi = max(s.offset, b.lo), max(min(s.offset + s.numel, b.hi), max(s.offset, b.lo))
+    return slice(lo - b.start, hi - b.start), slice(lo - s.offset, hi - s.offset)

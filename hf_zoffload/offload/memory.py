@@ -77,6 +77,36 @@ def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes)
 
 
+def engine_report(opt) -> dict:
+    """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured.
+
+    With N ranks the host side is this rank's: its shards, about 1/N of the state, plus the
+    full-bucket buffers of accumulation without a collective when that is used. On a
+    CPU-only run the "device" is host memory too: the params and the full-bucket gradient
+    buffers backward writes are counted under device, as on a GPU, so the host side
+    compares across machines."""
+    def nbytes(*names):
+        return sum(t.numel() * t.element_size() for b in opt.buckets for name in names
+                   for t in [getattr(b, name, None)] if t is not None)
+    w = opt.dtype.itemsize
+    on_cuda = opt.device.type == "cuda"
+    largest = max(b.padded for b in opt.buckets) * w
+    # each trainable param has its own storage (no flat bucket buffer holds them)
+    trained = sum(s.param.numel() * s.param.element_size() for b in opt.buckets
+                  for s in b.slots)
+    device = {"params": trained + opt._n_frozen * w,
+              "grad_buckets": min(2 * largest, trained) if on_cuda
+              else nbytes("local_host")}
+    host = {"master": nbytes("master"), "exp_avg": nbytes("exp_avg"),
+            "exp_avg_sq": nbytes("exp_avg_sq"),
+            "grad_staging": nbytes("grad_host", "grad_host_alt", "grad_host32",
+                                   "grad_host32_alt") + (nbytes("local_host") if on_cuda else 0),
+            "param_staging": nbytes("param_host"),
+            "grad_accumulation": nbytes("grad_acc", "grad_acc_alt", "local_acc")}
+    n = sum(b.numel for b in opt.buckets)
+    return make_report(device, host, n_params=n, n_frozen=opt._n_frozen, param_bytes=w)
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -72,3 +72,53 @@ def test_help_says_what_it_does(capsys):
                    "--tokenizer_name", "--dataset_name", "--train_file", "--validation_file",
                    "--block_size", "--max_train_samples", "--validation_split_percentage"):
         assert option in text, option
+
+
+@pytest.mark.slow
+def test_run_clm_two_processes_save_and_resume(tmp_path):
+    """ZeroOffloadTrainer under `accelerate launch --multi_gpu --num_processes 2` on CPUs
+    (gloo): trains unwrapped (the engine partitions the host state), saves a checkpoint whose
+    optimizer.pt holds the whole state, and resumes from it with one process."""
+    import socket
+
+    import torch
+
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+
+    docs = stdlib_corpus(max_mb=0.1)
+    (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
+    (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
+    train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tok")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    common = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=2",
+              "--tokenizer_name", str(tmp_path / "tok"), "--train_file",
+              str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
+              "--block_size", "32", "--max_train_samples", "64", "--zero_offload",
+              "--do_train", "--max_steps", "4", "--per_device_train_batch_size", "2",
+              "--learning_rate", "3e-3", "--output_dir", str(out), "--report_to", "none",
+              "--use_cpu", "--disable_tqdm", "true", "--save_strategy", "steps",
+              "--save_steps", "2", "--ddp_timeout", "60", "--logging_steps", "1"]
+    env = offline_env()
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_ZOFFLOAD_COMPUTE_DTYPE="fp32")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--main_process_port", str(port),
+           str(ROOT / "scripts" / "run_clm.py"), *common]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = out / "checkpoint-2"
+    state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    n_params = sum(len(g["params"]) for g in state["param_groups"])
+    assert len(state["state"]) == n_params  # gathered from both ranks: every param's state
+    assert state["zero_offload"]["world_size"] == 2
+
+    # resume the 2-rank checkpoint with one process
+    resume = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), *common,
+              "--resume_from_checkpoint", str(ckpt)]
+    proc = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "checkpoint-4" / "optimizer.pt").is_file()

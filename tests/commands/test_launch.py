@@ -96,16 +96,25 @@ def test_train_script_through_launch_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_are_a_clear_error(tmp_path):
-    # accelerate launches several CPU processes only through mpirun; torchrun sets up the
-    # same two-process job (accelerate reads WORLD_SIZE and picks MULTI_CPU with gloo).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZOFFLOAD_")}
-    # CUDA hidden: two ranks on one GPU would stop in NCCL, not in our check
-    env.update(PYTHONPATH=str(ROOT), HF_ZOFFLOAD_COMPUTE_DTYPE="fp32", OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", "29517", SCRIPT, "--zero_offload", "--output_json", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and not out.exists()
-    assert "ZeRO-Offload runs in one process for now, but this job has 2" in proc.stderr
+def test_two_processes_train_without_ddp(tmp_path):
+    """accelerate launch with 2 CPU processes (gloo): the engine partitions the host state
+    and reduces the grads itself, so the model must reach the loop unwrapped."""
+    cfg, _ = _configs(tmp_path, compute_dtype="fp32", bucket_size_mb=0.25, cpu_threads=1)
+    proc, out = _launch(tmp_path, cfg, "--multi_gpu", "--num_processes", "2",
+                        "--main_process_port", str(_free_port()),
+                        env_extra={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2
+    assert result["model_class"] == "GPT2LMHeadModel"  # no DistributedDataParallel
+    # accelerate 1.15 on CPUs reports distributed_type NO here and does not shard the
+    # loader: each rank sees all 6 micro-batches
+    assert len(result["losses"]) in (3, 6) and all(0 < x < 10 for x in result["losses"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

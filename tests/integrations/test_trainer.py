@@ -261,8 +261,8 @@ def test_trainer_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="optimizer_cls_and_kwargs="):
         ZeroOffloadTrainer(model=model, args=args,
                            optimizer_cls_and_kwargs=(torch.optim.AdamW, {}))
-    monkeypatch.setattr(ZeroOffloadTrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="data-parallel partitioning"):
+    monkeypatch.setattr(ZeroOffloadTrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="2 GPUs in one process.*DataParallel"):
         ZeroOffloadTrainer(model=model, args=args)
 
 
