@@ -27,7 +27,7 @@ import torch
 from torch.autograd import Variable
 
 from ..config import ZeroOffloadPlugin
-from ..ops.cpu_adam import adam_update
+from ..ops.cpu_adam import adam_update_unchecked
 from ..ops.scaling import unscale_check_
 from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint, partition
@@ -74,6 +74,7 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
+        self._threads = plugin.cpu_threads or torch.get_num_threads()
         slots = collect_slots(self.param_groups)
         self.device = slots[0].param.device
         self.dtype = plugin.torch_dtype
@@ -286,7 +287,9 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
 
     def _run(self, work, *, upload: bool) -> None:
         t_adam, gathers = 0.0, []
-        threads = self.plugin.cpu_threads or None
+        # Resolved on the caller's thread: torch.get_num_threads() reads a per-thread
+        # OpenMP setting, and the delayed update runs this in a thread of its own.
+        threads = self._threads
         for b, grad, runs in work:
             self.transport.wait_staging(b)
             out = self.transport.staging(b)
@@ -297,7 +300,9 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
                 parts = b.param_pieces(lo, hi) if self.transport.in_place(b) else \
                     [(lo, hi, None if out is None else out[lo:hi])]
                 for a, z, out16 in parts:
-                    adam_update(
+                    # Unchecked: every buffer here was built and sized by this engine; the
+                    # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
+                    adam_update_unchecked(
                         b.master[a:z], grad[a:z], b.exp_avg[a:z], b.exp_avg_sq[a:z],
                         step=step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                         eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=grad_scale,
