@@ -30,6 +30,7 @@ import time
 import torch
 
 import hf_zoffload
+from hf_zoffload.commands.env import cpu_name
 from hf_zoffload.ops import cpu_adam as ca
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -40,17 +41,6 @@ def _size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
     return int(float(text.rstrip("KMG")) * scale)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _time(fn, repeats: int) -> float:
@@ -141,7 +131,7 @@ def main(argv=None) -> int:
     ds = _deepspeed()
     feats = ca.compiled_features()
     isa = ", ".join(k for k in ("avx2", "f16c", "avx512f", "avx512_bf16") if feats[k]) or "none"
-    print(f"# CPU-Adam benchmark\n\nCPU: {_cpu_model()} ({os.cpu_count()} logical CPUs); "
+    print(f"# CPU-Adam benchmark\n\nCPU: {cpu_name()} ({os.cpu_count()} logical CPUs); "
           f"Python {platform.python_version()}; torch {torch.__version__}; "
           f"hf_zoffload {hf_zoffload.__version__} (kernel {ca._ext().auto_variant()}: {isa}; "
           f"OpenMP {'on' if feats['openmp'] else 'off'}); deepspeed "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import socket
 import statistics
 import time
@@ -24,18 +23,8 @@ import time
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.commands.env import cpu_name
 from hf_zoffload.ops.cpu_adam import adam_update
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def gpt2_shapes(n_layer=12, d=768, vocab=50257, ctx=1024):

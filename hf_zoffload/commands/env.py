@@ -58,7 +58,8 @@ def _cpuinfo_flags() -> set[str]:
     return set()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (benchmarks head their tables with it)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -133,7 +134,7 @@ def report(*, config_file: str | None = None) -> str:
         ("transformers version", lambda: _version("transformers")),
         ("accelerate version", lambda: _version("accelerate")),
         ("triton version", lambda: _version("triton")),
-        ("CPU", lambda: f"{_cpu_name()} ({os.cpu_count()} logical cores)"),
+        ("CPU", lambda: f"{cpu_name()} ({os.cpu_count()} logical cores)"),
         ("CPU SIMD", _simd),
         ("CPU-Adam kernel", _kernel),
         ("ZeRO-Offload config", lambda: _offload_config(config_file)),
