@@ -16,6 +16,7 @@ from typing import Any
 
 ENV_PREFIX = "HF_ZOFFLOAD_"
 CONFIG_ENV = "HF_ZOFFLOAD_CONFIG"
+ENABLED_ENV = "HF_ZOFFLOAD_ENABLED"
 YAML_SECTION = "zoffload"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
@@ -257,3 +258,29 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: '{YAML_SECTION}' must be a mapping")
     _check_keys(section, f"key in {path}")
     return dict(section)
+
+
+def enabled_from_sources(*, default: bool, environ=None) -> bool:
+    """The on/off switch: ``HF_ZOFFLOAD_ENABLED`` if set, else the sidecar's top-level
+    ``zero_offload:`` (file named by ``HF_ZOFFLOAD_CONFIG``), else ``default`` (True for
+    `prepare_zero_offload`, whose caller asked for offload; False for the Trainer's
+    ``--zero_offload``, off unless asked)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENABLED_ENV)
+    if raw is not None:
+        value = str(raw).strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise ValueError(f"{ENABLED_ENV}={raw!r} is not allowed; allowed: "
+                             f"{', '.join(sorted(_TRUE | _FALSE))}")
+        return value in _TRUE
+    path = environ.get(CONFIG_ENV)
+    if not path:
+        return default
+    import yaml
+
+    read_yaml(path)  # unknown keys and a missing file fail here, with the file named
+    with open(path) as fh:
+        flag = (yaml.safe_load(fh) or {}).get("zero_offload", default)
+    if not isinstance(flag, bool):
+        raise ValueError(f"{path}: 'zero_offload' must be true or false, got {flag!r}")
+    return flag

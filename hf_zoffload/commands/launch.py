@@ -15,13 +15,12 @@ import os
 import subprocess
 import sys
 
-from hf_zoffload.config import CONFIG_ENV, ENV_PREFIX, ZeroOffloadPlugin
+from hf_zoffload.config import CONFIG_ENV, ENABLED_ENV, ZeroOffloadPlugin
 
 description = (
     "Run `accelerate launch` with the ZeRO-Offload settings of the sidecar yaml (beside "
     "accelerate's --config_file, or --zoffload_config PATH) exported as HF_ZOFFLOAD_* variables."
 )
-ENABLED_ENV = ENV_PREFIX + "ENABLED"
 
 
 def add_parser(subparsers):

@@ -37,34 +37,21 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from hf_zoffload.config import CONFIG_ENV, ENV_PREFIX, ZeroOffloadPlugin, env_values, read_yaml
+from hf_zoffload.config import (
+    CONFIG_ENV,
+    ZeroOffloadPlugin,
+    enabled_from_sources,
+    env_values,
+    read_yaml,
+)
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
 
-ENABLED_ENV = ENV_PREFIX + "ENABLED"
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 def zero_offload_enabled(*, environ=None) -> bool:
     """HF_ZOFFLOAD_ENABLED if set, else the sidecar's ``zero_offload:``, else True."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENABLED_ENV)
-    if raw is not None:
-        value = str(raw).strip().lower()
-        if value not in _TRUE | _FALSE:
-            raise ValueError(f"{ENABLED_ENV}={raw!r} is not allowed; allowed: "
-                             f"{', '.join(sorted(_TRUE | _FALSE))}")
-        return value in _TRUE
-    path = environ.get(CONFIG_ENV)
-    if not path:
-        return True
-    import yaml
-
-    with open(path) as fh:
-        flag = (yaml.safe_load(fh) or {}).get("zero_offload", True)
-    if not isinstance(flag, bool):
-        raise ValueError(f"{path}: 'zero_offload' must be true or false, got {flag!r}")
-    return flag
+    return enabled_from_sources(default=True, environ=environ)
 
 
 class _OffloadedOptimizer(AcceleratedOptimizer):

@@ -40,7 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
-from ..config import CONFIG_ENV, ZeroOffloadPlugin, env_values, read_yaml
+from ..config import CONFIG_ENV, ZeroOffloadPlugin, enabled_from_sources, env_values, read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,12 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 # --------------------------------------------------------------------------- arguments
 def _argument_fields() -> list[tuple]:
-    out = [("zero_offload", bool, field(default=False, metadata={
+    out = [("zero_offload", bool | None, field(default=None, metadata={
         "help": "Keep fp32 master weights and Adam state in host memory and run AdamW there "
-                "(ZeRO-Offload); the device keeps the compute-dtype params only."}))]
+                "(ZeRO-Offload); the device keeps the compute-dtype params only. Unset: "
+                "HF_ZOFFLOAD_ENABLED, else the zoffload yaml's zero_offload (as `hf-zoffload "
+                "launch` passes them), else off.",
+        "nargs": "?", "const": True}))]
     for f in dataclasses.fields(ZeroOffloadPlugin):
         kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
         meta = {"help": "ZeRO-Offload: " + ZeroOffloadPlugin.help(f.name)
@@ -140,6 +143,8 @@ def _post_init(self) -> None:
     if self.fp16 and self.bf16:
         raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
                          "becomes the compute dtype), or neither for fp32")
+    if self.zero_offload is None:
+        self.zero_offload = enabled_from_sources(default=False)
     if self.zero_offload:
         _check_args(self)
     TrainingArguments.__post_init__(self)

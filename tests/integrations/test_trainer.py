@@ -229,6 +229,29 @@ def test_arguments_reach_the_plugin(tmp_path, monkeypatch):
     assert plain.zero_offload_plugin().compute_dtype == "fp32"
 
 
+def test_zero_offload_switch_follows_launch_settings(tmp_path, monkeypatch):
+    """Unset, --zero_offload follows HF_ZOFFLOAD_ENABLED, then the sidecar's zero_offload
+    (what `hf-zoffload launch` passes); an explicit value wins; nothing set means off."""
+    parser = HfArgumentParser(ZeroOffloadTrainingArguments)
+
+    def parse(*extra):
+        return parser.parse_args_into_dataclasses(
+            args=["--output_dir", str(tmp_path), "--use_cpu", *extra])[0].zero_offload
+
+    monkeypatch.delenv("HF_ZOFFLOAD_ENABLED", raising=False)
+    monkeypatch.delenv("HF_ZOFFLOAD_CONFIG", raising=False)
+    assert parse() is False and parse("--zero_offload") is True
+    side = tmp_path / "cfg_zoffload.yaml"
+    side.write_text("zero_offload: true\nzoffload: {compute_dtype: fp32}\n")
+    monkeypatch.setenv("HF_ZOFFLOAD_CONFIG", str(side))
+    assert parse() is True and parse("--zero_offload", "false") is False
+    monkeypatch.setenv("HF_ZOFFLOAD_ENABLED", "false")
+    assert parse() is False
+    monkeypatch.setenv("HF_ZOFFLOAD_ENABLED", "maybe")
+    with pytest.raises(ValueError, match="HF_ZOFFLOAD_ENABLED='maybe'"):
+        parse()
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(deepspeed="ds_config.json"), "--deepspeed"),
     (dict(fsdp="full_shard"), "--fsdp"),
