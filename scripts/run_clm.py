@@ -69,6 +69,25 @@ class DataArguments:
         "help": "Size of the built-in standard-library corpus in MB."})
 
 
+def check_sources(margs: ModelArguments, data: DataArguments) -> None:
+    """Options that would be ignored next to another one raise, before any work."""
+    clashes = [
+        (data.dataset_name and (data.train_file or data.validation_file),
+         "--dataset_name with --train_file/--validation_file: give one data source"),
+        (data.validation_file and not (data.train_file or data.dataset_name),
+         "--validation_file needs --train_file"),
+        (margs.model_name_or_path and (margs.config_name or margs.model_type
+                                       or margs.config_overrides),
+         "--model_name_or_path with --config_name/--model_type/--config_overrides: a "
+         "pretrained model brings its own config"),
+        (margs.config_name and margs.model_type,
+         "--config_name with --model_type: give one"),
+    ]
+    for bad, message in clashes:
+        if bad:
+            raise ValueError(message)
+
+
 def load_texts(data: DataArguments):
     """A DatasetDict with 'train' and 'validation' splits of raw text."""
     from datasets import Dataset, DatasetDict, load_dataset
@@ -166,6 +185,7 @@ def main(argv=None) -> dict:
     else:
         margs, data, args = parser.parse_args_into_dataclasses(args=argv)
 
+    check_sources(margs, data)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stdout)
     level = logging.INFO if args.should_log else logging.WARNING

@@ -48,7 +48,7 @@ def add_parser(subparsers):
     p.add_argument("--default", action="store_true",
                    help="ask nothing: write accelerate's basic config (as `accelerate config "
                         "default`) and the offload defaults. Existing files are kept.")
-    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                    help="with --default: accelerate's mixed_precision; the offload compute dtype "
                         "follows it when it is fp16 or bf16.")
     p.set_defaults(func=run)
@@ -60,7 +60,9 @@ def run(args) -> int:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     sidecar = sidecar_path(path)
     if args.default:
-        return _write_defaults(path, sidecar, mixed_precision=args.mixed_precision)
+        return _write_defaults(path, sidecar, mixed_precision=args.mixed_precision or "no")
+    if args.mixed_precision is not None:  # the interactive questions ask for it
+        raise SystemExit("hf-zoffload config: --mixed_precision only applies with --default")
 
     from accelerate.commands.config.config import get_user_input
 
@@ -95,17 +97,7 @@ def _write_defaults(path: str, sidecar: str, *, mixed_precision: str) -> int:
     else:
         ZeroOffloadPlugin(compute_dtype=_dtype_for(mixed_precision)).save_yaml(sidecar)
         print(f"ZeRO-Offload configuration saved at {sidecar}")
-    _warn_processes(path)
     return 0
-
-
-def _warn_processes(path: str) -> None:
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    n = getattr(load_config_from_file(path), "num_processes", 1) or 1
-    if n > 1:
-        print(f"note: {path} launches {n} processes; ZeRO-Offload runs one process until "
-              "data-parallel partitioning lands: launch with --num_processes 1.")
 
 
 # ------------------------------------------------------------------ the questions

@@ -132,9 +132,13 @@ def _engine_from_adam(opt: torch.optim.Optimizer, plugin):
     first = groups[0]
     engine = ZeroOffloadOptimizer(groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
                                   weight_decay=first["weight_decay"], plugin=plugin)
+    # Keys a scheduler built on `opt` put in its groups (initial_lr, OneCycleLR's max_lr and
+    # min_lr, ...) are read back by that scheduler: they move over. torch's own Adam options
+    # stay behind (checked above or meaningless for the CPU-Adam).
+    adam_keys = {"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "foreach",
+                 "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
     for src, dst in zip(opt.param_groups, engine.param_groups, strict=True):
-        if "initial_lr" in src:  # set by a scheduler built on `opt`; it reads it back
-            dst["initial_lr"] = src["initial_lr"]
+        dst.update({k: v for k, v in src.items() if k not in adam_keys})
     return engine
 
 
@@ -290,6 +294,9 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
         if o is old:
             o = wrapped
         elif isinstance(o, torch.nn.Module) and any(id(p) in ours for p in o.parameters()):
+            # With the delayed update the last step's params land at the next step; reading
+            # the weights (save_state, save_pretrained, get_state_dict) lands them first.
+            o.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
             # No DDP wrapper: with several processes the engine reduce-scatters the grads
             # itself; DDP would all-reduce them again and keep a full gradient copy on the
             # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.

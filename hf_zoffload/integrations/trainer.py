@@ -221,6 +221,10 @@ class _MemoryReport(TrainerCallback):
         check_model(self.trainer.model_wrapped)
         self.trainer._log_memory_report()
 
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.engine is not None:  # a pending delayed update lands now
+            self.trainer.engine.flush()
+
 
 # --------------------------------------------------------------------------- trainer
 class ZeroOffloadTrainer(Trainer):
@@ -297,6 +301,10 @@ class ZeroOffloadTrainer(Trainer):
                 [g for g in groups if g["params"]], lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
                 weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin())
+            # With the delayed update the last step's params land only at the next step:
+            # whatever reads the model's weights (saving, evaluating, the end of training)
+            # first lands them. state_dict covers every save path (save_model, checkpoints).
+            opt_model.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
             if engine.loss_scaler.is_enabled():
                 self.accelerator.scaler = engine.loss_scaler
             # Patched on this instance only: the Trainer clips (and reads grad_norm) through
@@ -332,6 +340,11 @@ class ZeroOffloadTrainer(Trainer):
                 torch.load(sched_path, map_location="cpu", weights_only=True))
         reissue_pt_warnings(caught)
         return None
+
+    def evaluate(self, *args, **kwargs):
+        if self.engine is not None:  # evaluate the params of the last step taken
+            self.engine.flush()
+        return super().evaluate(*args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         engine = self.engine

@@ -167,8 +167,9 @@ def collect_slots(param_groups) -> list[Slot]:
     from .partition import check_params  # partition -> stream -> buckets: import late
     slots, devices, index = [], set(), 0
     for gi, g in enumerate(param_groups):
-        if g.get("amsgrad"):
-            raise ValueError(f"param group {gi}: amsgrad=True is not supported")
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"param group {gi}: {flag}=True is not supported")
         check_hyper(f"param group {gi}", g["lr"], g["betas"], g["eps"], g["weight_decay"])
         check_params(g["params"])
         for p in g["params"]:

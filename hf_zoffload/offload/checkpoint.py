@@ -15,7 +15,11 @@ process, and costs the saving rank one full copy of the state (16 B/param) at sa
 
 from __future__ import annotations
 
+import copy
+
 import torch
+
+from .buckets import check_hyper
 
 FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -101,7 +105,20 @@ def load_state_dict(opt, sd: dict) -> None:
             raise ValueError(f"param group {gi} param {pos}: state needs step, exp_avg, "
                              "exp_avg_sq")
         plan.append((b, s, st))
+    for gi, saved in enumerate(groups):
+        hyper = {k: saved.get(k, opt.param_groups[gi][k]) for k in _HYPER}
+        check_hyper(f"state_dict param group {gi}", hyper["lr"], hyper["betas"], hyper["eps"],
+                    hyper["weight_decay"])
+        for flag in ("amsgrad", "maximize"):
+            if saved.get(flag):
+                raise ValueError(f"state_dict param group {gi} has {flag}=True, which the "
+                                 "engine does not support")
     extra = sd.get("zero_offload", {})
+    scaler_sd = extra.get("loss_scaler") or None  # {}: saved by a disabled scaler
+    if scaler_sd is not None and opt.loss_scaler.is_enabled():
+        copy.deepcopy(opt.loss_scaler).load_state_dict(scaler_sd)  # raises here, not midway
+    else:
+        scaler_sd = None
 
     # ---- nothing above changed the optimizer; apply
     for saved, ours in zip(groups, opt.param_groups):
@@ -132,8 +149,8 @@ def load_state_dict(opt, sd: dict) -> None:
                 opt._steps[s.index] = 0
         if b.param_host is not None:  # the staging copy mirrors the device params
             b.copy_from_params(b.param_host, b.start)
-    if "loss_scaler" in extra:
-        opt.loss_scaler.load_state_dict(extra["loss_scaler"])
+    if scaler_sd is not None:
+        opt.loss_scaler.load_state_dict(scaler_sd)
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
     opt._applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()

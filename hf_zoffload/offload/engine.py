@@ -220,12 +220,17 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
     def _grad_of(self, b) -> torch.Tensor:
         return b.grad_acc if b.flushed > 1 else b.last
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **_ignored) -> torch.Tensor:
-        """Clip the coming step's gradient to ``max_norm``; return its unscaled global norm."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """Clip the coming step's gradient to ``max_norm`` (torch's rule: scale by
+        ``min(1, max_norm / (norm + 1e-6))``); return its unscaled global norm."""
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
-        if _ignored.get("error_if_nonfinite"):
-            raise ValueError("clip_grad_norm_: error_if_nonfinite=True is not supported")
+        if error_if_nonfinite:
+            raise ValueError("clip_grad_norm_: error_if_nonfinite=True is not supported (fp16 "
+                             "overflow skips the step instead)")
+        if not float(max_norm) >= 0.0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
         self._clip = float(max_norm)
         return torch.tensor(self._finalize()[1])
 
@@ -250,8 +255,11 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
         if self.last_step_skipped:
             self.skipped_steps += 1
         else:
+            # An explicit clip_grad_norm_ follows torch (0 zeroes the update); the plugin's
+            # max_grad_norm uses 0 for "off".
             max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
-            coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+            coef = min(1.0, max_norm / (norm + 1e-6)) \
+                if self._clip is not None or max_norm > 0 else 1.0
             work = self._plan(self._inv_scale() * coef)
             self._applied_steps += 1
             if delayed:
@@ -372,9 +380,16 @@ class ZeroOffloadOptimizer(partition.PartitionedGrads, torch.optim.Optimizer):
         self._final, self._clip = None, None
         self._window_scale = self.loss_scaler.loss_scale
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard every gradient accumulated since the last step."""
+    def flush(self) -> None:
+        """Finish a pending delayed update and copy its params to the device. The
+        integrations call it before the model is saved or evaluated; a plain loop using
+        ``delayed_update`` calls it before it evaluates or saves the model itself."""
         self._drain()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard every gradient accumulated since the last step. ``set_to_none`` has no
+        effect: streamed gradients never stay on the params. A pending delayed update keeps
+        running (loops call this right after ``step()``)."""
         if self.dp is not None:
             self.dp.complete()
         for b in self.buckets:

@@ -122,3 +122,18 @@ def test_run_clm_two_processes_save_and_resume(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--dataset_name", "x", "--train_file", "t.txt"], "give one data source"),
+    (["--model_name_or_path", "m", "--config_overrides", "n_layer=2"], "brings its own config"),
+    (["--config_name", "c", "--model_type", "gpt2"], "--config_name with --model_type"),
+])
+def test_options_that_would_be_ignored_raise(argv, match, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import run_clm
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    with pytest.raises(ValueError, match=match):
+        run_clm.main([*argv, "--output_dir", str(tmp_path), "--use_cpu"])

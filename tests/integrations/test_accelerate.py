@@ -273,3 +273,18 @@ def test_save_state_safetensors_keeps_every_weight(tmp_path):
     from safetensors.torch import load_file
 
     assert len(load_file(str(tmp_path / "ckpt" / "model.safetensors"))) == 4
+
+
+def test_scheduler_keys_move_with_the_groups():
+    """A scheduler that keeps its own keys in the param groups (OneCycleLR: max_lr, min_lr)
+    keeps working once its optimizer is replaced by the engine."""
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    _, engine, sched = prepare_zero_offload(Accelerator(cpu=True), model, opt, sched,
+                                            compute_dtype="fp32")
+    assert engine.optimizer.param_groups[0]["max_lr"] == 1e-2
+    model(torch.ones(2, 8)).sum().backward()
+    engine.step()
+    sched.step()
+    assert engine.optimizer.param_groups[0]["lr"] != opt.param_groups[0]["initial_lr"]

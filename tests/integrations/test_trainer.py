@@ -304,3 +304,16 @@ def test_cuda_mixed_precision_runs_through_the_engine(tmp_path, precision):
     assert len(logs) == 6 and all(math.isfinite(e["loss"]) for e in logs)
     state = torch.load(tmp_path / "checkpoint-6" / "optimizer.pt", weights_only=True)
     assert all(s["master"].device.type == "cpu" for s in state["state"].values())
+
+
+def test_delayed_update_lands_before_saving_and_at_the_end(tmp_path):
+    """With delayed_update the last step's params arrive one step late: the Trainer lands
+    them at the end of training and before anything reads the weights."""
+    trainer, _ = run(tmp_path, gpt2(), offload=True, zero_offload_delayed_update=True,
+                     zero_offload_delayed_update_warmup_steps=0)
+    engine = trainer.engine
+    assert engine._thread is None and engine._applied_steps == COMMON["max_steps"]
+    where = {s.param: (b, s) for b in engine.buckets for s in b.slots}
+    for p in trainer.model.parameters():
+        b, s = where[p]
+        assert torch.equal(p.detach().reshape(-1), b.master[s.offset:s.offset + s.numel])

@@ -287,10 +287,12 @@ def test_delayed_update_matches_its_reference():
                 s.copy_(new if step < warmup else old)
         ours(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+        opt.zero_grad()  # what loops call next: must not wait for the background update
         assert (opt._thread is not None) == (step >= warmup)
         for a, b in zip(stale.parameters(), ours.parameters()):
             assert torch.equal(a, b)
-    opt.zero_grad()  # finishes the pending update
+    opt.flush()  # lands the pending update
+    assert opt._thread is None
     for a, b in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(a, b)
 
@@ -370,7 +372,7 @@ def test_params_keep_own_storage_and_round_trip_safetensors(tmp_path, delayed):
             ptrs = {p.untyped_storage().data_ptr() for p in params}
             assert len(ptrs) == len(params)
             assert all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in params)
-        opt.zero_grad()  # lands a pending delayed update
+        opt.flush()  # lands a pending delayed update
         sd = model.state_dict()
         path = str(tmp_path / f"{name}-{delayed}.safetensors")
         if name == "gpt2":
@@ -384,3 +386,68 @@ def test_params_keep_own_storage_and_round_trip_safetensors(tmp_path, delayed):
         assert loaded.keys() == sd.keys()
         for k, v in sd.items():
             assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+
+
+class TestBadCheckpointsAndOptions:
+    def _engine(self, dtype="bf16"):
+        model = tiny_gpt2()
+        opt = ZeroOffloadOptimizer(model.parameters(), lr=5e-3,
+                                   plugin=ZeroOffloadPlugin(compute_dtype=dtype))
+        ids = batches(1)[0]
+        opt.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        return model, opt
+
+    def _snapshot(self, opt):
+        return ([t.clone() for b in opt.buckets for t in (b.master, b.exp_avg)],
+                [g["lr"] for g in opt.param_groups], dict(opt._steps))
+
+    def test_bad_scaler_state_changes_nothing(self):
+        _, fp16 = self._engine("fp16")
+        _, bf16 = self._engine("bf16")
+        sd = bf16.state_dict()
+        sd["zero_offload"]["loss_scaler"] = {"scale": "not a number"}
+        before = self._snapshot(fp16)
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            fp16.load_state_dict(sd)
+        after = self._snapshot(fp16)
+        assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+        assert before[1:] == after[1:]
+        # a bf16 checkpoint (empty scaler state) loads into an fp16 engine: scaler kept
+        scale = fp16.loss_scaler.loss_scale
+        fp16.load_state_dict(bf16.state_dict())
+        assert fp16.loss_scaler.loss_scale == scale
+
+    @pytest.mark.parametrize("change,match", [
+        ({"betas": (0.9, 1.5)}, "betas"), ({"lr": -1.0}, "lr"),
+        ({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize")])
+    def test_bad_saved_group_is_refused_before_changes(self, change, match):
+        _, opt = self._engine()
+        sd = opt.state_dict()
+        sd["param_groups"][0].update(change)
+        before = self._snapshot(opt)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        assert before[1:] == self._snapshot(opt)[1:]
+
+    def test_unsupported_group_flags_and_clip_arguments(self):
+        model = tiny_gpt2()
+        with pytest.raises(ValueError, match="maximize=True"):
+            ZeroOffloadOptimizer([{"params": list(model.parameters()), "maximize": True}],
+                                 plugin=ZeroOffloadPlugin(compute_dtype="bf16"))
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        _, opt = self._engine()
+        with pytest.raises(TypeError):
+            opt.clip_grad_norm_(1.0, norm_typ=1.0)  # a misspelt option is not swallowed
+        with pytest.raises(ValueError, match="max_norm must be >= 0"):
+            opt.clip_grad_norm_(-1.0)
+
+    def test_clip_to_zero_follows_torch(self):
+        model, opt = self._engine("fp32")
+        ids = batches(1)[0]
+        opt.backward(model(input_ids=ids, labels=ids).loss)
+        before = [b.exp_avg.clone() for b in opt.buckets]
+        opt.clip_grad_norm_(0.0)  # torch scales the grads by 0: moments only decay
+        opt.step()
+        for b, m in zip(opt.buckets, before):
+            torch.testing.assert_close(b.exp_avg, m * 0.9, atol=0, rtol=1e-6)

@@ -29,7 +29,11 @@ def test_cuda_matches_cpu_engine(dtype):
             gpu_opt.backward(gpu_model(input_ids=ids.cuda(), labels=ids.cuda()).loss)
         cpu_opt.step()
         gpu_opt.step()
-        assert gpu_opt.grad_norm == pytest.approx(cpu_opt.grad_norm, rel=5e-2)
+        # fp32: CUDA and CPU matmuls sum in other orders (~1e-6 relative per output); a
+        # bucket missing from the norm would be off by >1%. bf16: every activation and grad
+        # is rounded to 8 bits (2^-8 relative) by kernels that differ between devices.
+        assert gpu_opt.grad_norm == pytest.approx(
+            cpu_opt.grad_norm, rel=1e-4 if dtype == "fp32" else 3e-2)
     # GPU matmuls differ from CPU ones at the compute dtype's rounding
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == "bf16" else dict(atol=1e-4, rtol=1e-3)
     for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
