@@ -34,6 +34,13 @@ cdef int _threads_for(size_t n, int num_threads) noexcept nogil:
     return num_threads
 
 
+cdef inline size_t _chunk_for(size_t n, int num_threads) noexcept nogil:
+    # One contiguous static chunk per thread: each thread streams its own range (the hardware
+    # prefetchers like long runs), and no element depends on where the split falls.
+    cdef size_t chunk = (n + <size_t>num_threads - 1) / <size_t>num_threads
+    return (chunk + ALIGN - 1) / ALIGN * ALIGN
+
+
 cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
                          int num_threads) noexcept nogil:
     cdef size_t chunk, lo, hi
@@ -42,10 +49,7 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
     if num_threads <= 1:
         fn(a, 0, n)
         return
-    # One contiguous static chunk per thread: each thread streams its own range (the hardware
-    # prefetchers like long runs), and no element depends on where the split falls.
-    chunk = (n + <size_t>num_threads - 1) / <size_t>num_threads
-    chunk = (chunk + ALIGN - 1) / ALIGN * ALIGN
+    chunk = _chunk_for(n, num_threads)
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk
@@ -61,8 +65,7 @@ cdef void _traffic_parallel(float *p, float *m, float *v, const float *g, size_t
     if num_threads <= 1:
         hz_traffic_range(p, m, v, g, 0, n)
         return
-    chunk = (n + <size_t>num_threads - 1) / <size_t>num_threads
-    chunk = (chunk + ALIGN - 1) / ALIGN * ALIGN
+    chunk = _chunk_for(n, num_threads)  # the kernel's split, so the ceiling is comparable
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk

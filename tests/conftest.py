@@ -16,3 +16,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def torch_one_thread():
+    """torch's MKL sqrt with 2 threads measured ~16 ms per call at any size >= 4097 on a
+    loaded 2-core box (4 us on one thread); the CPU-Adam references run on torch ops. The
+    kernel takes its thread count as an argument, so this changes nothing it computes."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -34,15 +34,7 @@ VARIANTS = [v for v in ("native", "avx2", "avx512bf16") if ca._ext().variant_ava
     ca._ext().VARIANTS[v])]
 
 
-@pytest.fixture(autouse=True)
-def _torch_one_thread():
-    # The references run on torch ops; torch's MKL sqrt with 2 threads measured ~16 ms per call
-    # at any size >= 4097 on a loaded 2-core box (4 us on one thread).  The kernel takes its
-    # thread count as an argument, so this changes nothing it computes.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _state(n, seed=0):

@@ -19,14 +19,7 @@ from hf_zoffload.optim.cpu_adam import CPUAdam
 SHAPES = [(1,), (7,), (22,), (4097,), (7, 3), (3, 5, 2)]
 
 
-@pytest.fixture(autouse=True)
-def _torch_one_thread():
-    # torch's MKL sqrt with 2 threads measured ~16 ms per call on a loaded 2-core box; the
-    # kernel's results do not depend on the thread count.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _params(seed=0):
