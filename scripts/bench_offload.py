@@ -113,11 +113,11 @@ def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
 
     step()  # warm-up: first touch of every buffer
     dist.barrier()
-    sent0, w0, t0 = dict(opt.dp.sent), _wchar(), time.perf_counter()
+    sent0, w0, t0 = dict(opt.exchange.sent), _wchar(), time.perf_counter()
     for _ in range(args.repeats):
         step()
     dt, wrote = time.perf_counter() - t0, _wchar() - w0
-    per_step = {k: (v - sent0[k]) / args.repeats for k, v in opt.dp.sent.items()}
+    per_step = {k: (v - sent0[k]) / args.repeats for k, v in opt.exchange.sent.items()}
     torch.save({"n": n, "sent": per_step, "wchar": wrote / args.repeats,
                 "ms": dt / args.repeats * 1e3, "host": opt.memory_report()["host_total"],
                 "buckets": len(opt.buckets)}, out_path)

@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from .buckets import check_hyper
+from ..ops.cpu_adam import check_hyper
 
 FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -27,24 +27,26 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 def state_dict(opt, *, to: int = 0) -> dict:
     """The whole state; with N ranks a collective that leaves it on rank ``to`` only (the
-    other ranks get the same dict with no state, marked so that loading it fails)."""
-    state, shell = {}, opt.dp is not None and opt.dp.rank != to
+    other ranks get the same dict with no state, marked so that loading it fails).
+
+    Reads the engine's public facts: ``buckets`` (layout and host state), ``param_steps``,
+    ``exchange`` (rank, world, gather_state), ``loss_scaler``, ``skipped_steps``,
+    ``applied_steps``."""
+    ex = opt.exchange
+    state, shell = {}, ex.rank != to
     for b in opt.buckets:
-        if opt.dp is not None:
-            whole = opt.dp.gather_state(b, to=to)  # [3, padded] on rank `to`, else None
-            if whole is None:
-                continue
-            master, exp_avg, exp_avg_sq = whole
-        else:
-            master, exp_avg, exp_avg_sq = b.master, b.exp_avg, b.exp_avg_sq
-        for s in b.slots:
-            if opt._steps[s.index] == 0:
+        whole = ex.gather_state(b, to=to)  # the whole bucket on rank `to`, else None
+        if whole is None:
+            continue
+        master, exp_avg, exp_avg_sq = whole
+        for s in b.layout.slots:
+            if opt.param_steps[s.index] == 0:
                 continue  # torch keeps no state for a param that never stepped
             sl = slice(s.offset, s.offset + s.numel)
             shape = s.param.shape
             # clone: a view would pickle the whole flat bucket storage with each param
             state[s.index] = {
-                "step": torch.tensor(float(opt._steps[s.index])),
+                "step": torch.tensor(float(opt.param_steps[s.index])),
                 "exp_avg": exp_avg[sl].view(shape).clone(),
                 "exp_avg_sq": exp_avg_sq[sl].view(shape).clone(),
                 "master": master[sl].view(shape).clone(),
@@ -62,9 +64,9 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "format_version": FORMAT_VERSION,
             "loss_scaler": opt.loss_scaler.state_dict(),
             "skipped_steps": opt.skipped_steps,
-            "applied_steps": opt._applied_steps,
-            "world_size": 1 if opt.dp is None else opt.dp.world,
-            **({"shell_of_rank": opt.dp.rank} if shell else {}),
+            "applied_steps": opt.applied_steps,
+            "world_size": ex.world,
+            **({"shell_of_rank": ex.rank} if shell else {}),
         },
     }
 
@@ -88,7 +90,7 @@ def load_state_dict(opt, sd: dict) -> None:
                              f"params, the optimizer has {len(ours['params'])}")
         for pos, (saved_id, p) in enumerate(zip(saved["params"], ours["params"])):
             index_map[saved_id] = (gi, pos, p)
-    ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.slots}
+    ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
     plan = []
     for saved_id, st in sd["state"].items():
         if saved_id not in index_map:
@@ -107,8 +109,8 @@ def load_state_dict(opt, sd: dict) -> None:
         plan.append((b, s, st))
     for gi, saved in enumerate(groups):
         hyper = {k: saved.get(k, opt.param_groups[gi][k]) for k in _HYPER}
-        check_hyper(f"state_dict param group {gi}", hyper["lr"], hyper["betas"], hyper["eps"],
-                    hyper["weight_decay"])
+        check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"],
+                    where=f"state_dict param group {gi}")
         for flag in ("amsgrad", "maximize"):
             if saved.get(flag):
                 raise ValueError(f"state_dict param group {gi} has {flag}=True, which the "
@@ -127,37 +129,32 @@ def load_state_dict(opt, sd: dict) -> None:
                 ours[k] = tuple(saved[k]) if k == "betas" else saved[k]
     loaded = set()
     for b, s, st in plan:
-        own, mine = _own(b, s)  # this rank's part: host slice, slice of the param
-        b.exp_avg[own].copy_(st["exp_avg"].reshape(-1)[mine])
-        b.exp_avg_sq[own].copy_(st["exp_avg_sq"].reshape(-1)[mine])
+        own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
+        h = b.state
+        h.exp_avg[own].copy_(st["exp_avg"].reshape(-1)[mine])
+        h.exp_avg_sq[own].copy_(st["exp_avg_sq"].reshape(-1)[mine])
         if "master" in st:
             master = st["master"].reshape(-1)
-            b.master[own].copy_(master[mine])
+            h.master[own].copy_(master[mine])
             # the device params follow the master weights (every rank has all of them)
             s.flat().copy_(master)
         else:  # an AdamW checkpoint: the params are the best fp32 weights we have
-            b.master[own].copy_(s.param.detach().reshape(-1)[mine])
-        opt._steps[s.index] = int(float(st["step"]))
+            h.master[own].copy_(s.param.detach().reshape(-1)[mine])
+        opt.param_steps[s.index] = int(float(st["step"]))
         loaded.add(s.index)
     for b in opt.buckets:
-        for s in b.slots:
+        h = b.state
+        for s in b.layout.slots:
             if s.index not in loaded:  # no saved state: as if it never stepped
-                own, mine = _own(b, s)
-                b.exp_avg[own].zero_()
-                b.exp_avg_sq[own].zero_()
-                b.master[own].copy_(s.param.detach().reshape(-1)[mine])
-                opt._steps[s.index] = 0
-        if b.param_host is not None:  # the staging copy mirrors the device params
-            b.copy_from_params(b.param_host, b.start)
+                own, mine = b.layout.owned(s)
+                h.exp_avg[own].zero_()
+                h.exp_avg_sq[own].zero_()
+                h.master[own].copy_(s.param.detach().reshape(-1)[mine])
+                opt.param_steps[s.index] = 0
+        if h.staging is not None:  # the staging copy mirrors the device params
+            b.layout.copy_from_params(h.staging, b.layout.start)
     if scaler_sd is not None:
         opt.loss_scaler.load_state_dict(scaler_sd)
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
-    opt._applied_steps = int(extra.get("applied_steps", 0))
+    opt.applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()
-
-
-def _own(b, s) -> tuple[slice, slice]:
-    """Where slot ``s``'s elements that this rank holds sit: in the host buffers, in the
-    flattened param. Empty slices when the slot lies outside this rank's shard."""
-    lo, hi = max(s.offset, b.lo), max(min(s.offset + s.numel, b.hi), max(s.offset, b.lo))
-    return slice(lo - b.start, hi - b.start), slice(lo - s.offset, hi - s.offset)

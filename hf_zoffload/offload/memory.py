@@ -78,33 +78,38 @@ def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param
 
 
 def engine_report(opt) -> dict:
-    """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured.
+    """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured from its
+    public facts (``buckets``' layouts and host states, ``exchange.nbytes()``, ``n_frozen``,
+    ``dtype``, ``device``).
 
     With N ranks the host side is this rank's: its shards, about 1/N of the state, plus the
     full-bucket buffers of accumulation without a collective when that is used. On a
     CPU-only run the "device" is host memory too: the params and the full-bucket gradient
     buffers backward writes are counted under device, as on a GPU, so the host side
     compares across machines."""
-    def nbytes(*names):
-        return sum(t.numel() * t.element_size() for b in opt.buckets for name in names
-                   for t in [getattr(b, name, None)] if t is not None)
+    host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging", "param_staging",
+                          "grad_accumulation"), 0)
+    for b in opt.buckets:
+        for kind, n in b.state.nbytes().items():
+            host[kind] += n
+    held = opt.exchange.nbytes()
+    unreduced = held.pop("unreduced_grads", 0)
+    for kind, n in held.items():
+        host[kind] += n
     w = opt.dtype.itemsize
     on_cuda = opt.device.type == "cuda"
-    largest = max(b.padded for b in opt.buckets) * w
+    largest = max(b.layout.padded for b in opt.buckets) * w
     # each trainable param has its own storage (no flat bucket buffer holds them)
     trained = sum(s.param.numel() * s.param.element_size() for b in opt.buckets
-                  for s in b.slots)
-    device = {"params": trained + opt._n_frozen * w,
-              "grad_buckets": min(2 * largest, trained) if on_cuda
-              else nbytes("local_host")}
-    host = {"master": nbytes("master"), "exp_avg": nbytes("exp_avg"),
-            "exp_avg_sq": nbytes("exp_avg_sq"),
-            "grad_staging": nbytes("grad_host", "grad_host_alt", "grad_host32",
-                                   "grad_host32_alt") + (nbytes("local_host") if on_cuda else 0),
-            "param_staging": nbytes("param_host"),
-            "grad_accumulation": nbytes("grad_acc", "grad_acc_alt", "local_acc")}
-    n = sum(b.numel for b in opt.buckets)
-    return make_report(device, host, n_params=n, n_frozen=opt._n_frozen, param_bytes=w)
+                  for s in b.layout.slots)
+    # unreduced micro-steps: host memory behind device buffers on CUDA; on the CPU the very
+    # buffers backward writes, so counted as the device's gradient buckets
+    if on_cuda:
+        host["grad_staging"] += unreduced
+    device = {"params": trained + opt.n_frozen * w,
+              "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
+    n = sum(b.layout.numel for b in opt.buckets)
+    return make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w)
 
 
 def human(n: float) -> str:

@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "adam_update",
+    "check_hyper",
     "adam_update_reference",
     "compiled_features",
     "cpu_features",
@@ -114,7 +115,10 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _check_real(name, x, *, low=None, high=None, high_open=False):
+def _check_real(name, x, *, low=None, high=None, high_open=False, where=""):
+    if isinstance(x, torch.Tensor) and x.numel() == 1:  # e.g. a scheduler's tensor lr
+        x = x.item()
+    name = f"{name} of {where}" if where else name
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     x = float(x)
@@ -125,6 +129,22 @@ def _check_real(name, x, *, low=None, high=None, high_open=False):
     if high is not None and (x >= high if high_open else x > high):
         raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {x}")
     return x
+
+
+def check_hyper(lr, betas, eps, weight_decay, *, where: str = "") -> tuple[float, ...]:
+    """The one validator of Adam's hyperparameters (the kernel, CPUAdam and the offload
+    engine all call it): ``(lr, beta1, beta2, eps, weight_decay)`` as floats, or one
+    TypeError / ValueError naming the value and ``where`` it came from."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas{' of ' + where if where else ''} must be a pair "
+                         f"(beta1, beta2), got {betas!r}")
+    return (
+        _check_real("lr", lr, low=0.0, where=where),
+        _check_real("betas[0]", betas[0], low=0.0, high=1.0, high_open=True, where=where),
+        _check_real("betas[1]", betas[1], low=0.0, high=1.0, high_open=True, where=where),
+        _check_real("eps", eps, low=0.0, where=where),
+        _check_real("weight_decay", weight_decay, low=0.0, where=where),
+    )
 
 
 def _check_buffer(name, t, dtypes, numel=None):
@@ -171,14 +191,8 @@ def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, be
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
-    return (
-        _check_real("lr", lr, low=0.0),
-        _check_real("beta1", beta1, low=0.0, high=1.0, high_open=True),
-        _check_real("beta2", beta2, low=0.0, high=1.0, high_open=True),
-        _check_real("eps", eps, low=0.0),
-        _check_real("weight_decay", weight_decay, low=0.0),
-        _check_real("grad_scale", grad_scale),
-    )
+    return (*check_hyper(lr, (beta1, beta2), eps, weight_decay),
+            _check_real("grad_scale", grad_scale))
 
 
 def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,

@@ -7,13 +7,10 @@ between CPUAdam, torch.optim.AdamW and torch.optim.Adam in either direction with
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch.optim import Optimizer
 
-from hf_zoffload.ops.cpu_adam import adam_update
+from hf_zoffload.ops.cpu_adam import adam_update, check_hyper
 
 __all__ = ["CPUAdam"]
 
@@ -28,36 +25,19 @@ def _where(group: dict, gi: int, pi: int) -> str:
     return f"parameter {names[pi]!r}" if names else f"parameter {pi} of param group {gi}"
 
 
-def _real(name: str, x, where: str, *, upper_open: float | None = None) -> float:
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} of {where} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x) or x < 0.0 or (upper_open is not None and x >= upper_open):
-        allowed = f"in [0, {upper_open})" if upper_open is not None else "finite and >= 0"
-        raise ValueError(f"{name} of {where} must be {allowed}, got {x}")
-    return x
-
-
 def _hyper(group: dict, gi: int) -> dict:
     """The group's hyperparameters as plain floats/bools, or ValueError/TypeError naming them."""
     where = f"param group {gi}"
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas of {where} must be a pair (beta1, beta2), got {betas!r}")
     for key in ("amsgrad", "maximize", "differentiable"):
         if group.get(key, False):
             raise ValueError(f"{key}=True in {where} is not supported by CPUAdam")
     for key in ("decoupled_weight_decay", "bias_correction"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{key} of {where} must be a bool, got {group[key]!r}")
+    lr, beta1, beta2, eps, weight_decay = check_hyper(
+        group["lr"], group["betas"], group["eps"], group["weight_decay"], where=where)
     return {
-        "lr": _real("lr", group["lr"], where),
-        "beta1": _real("betas[0]", betas[0], where, upper_open=1.0),
-        "beta2": _real("betas[1]", betas[1], where, upper_open=1.0),
-        "eps": _real("eps", group["eps"], where),
-        "weight_decay": _real("weight_decay", group["weight_decay"], where),
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
         "adamw_mode": group["decoupled_weight_decay"],
         "bias_correction": group["bias_correction"],
     }

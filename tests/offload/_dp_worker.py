@@ -97,7 +97,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
             # the objective of the full batch: lm loss + 0.05 * extra term of rows [0, 2)
             loss = model(ids, extra_rows=ROWS // 2 if use_extra else 0, extra_weight=0.5 * world)
             unsynced = step in (4, 9) or (step % 2 == 0 and micro < ACCUM - 1)
-            sent = dict(opt.dp.sent) if opt.dp is not None else None
+            sent = dict(opt.exchange.sent) if opt.exchange.world > 1 else None
             with opt.no_sync() if unsynced else _null():
                 if kill_at == (step, micro) and rank == 1:
                     with open(os.path.join(kill_dir, "stopped_at"), "w") as fh:
@@ -106,8 +106,8 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
                         time.sleep(3600)
                     os._exit(17)  # dies mid-step, while rank 0 runs its backward
                 (loss / ACCUM).backward()
-            if unsynced and opt.dp is not None:
-                no_sync_bytes += sum(opt.dp.sent.values()) - sum(sent.values())
+            if unsynced and opt.exchange.world > 1:
+                no_sync_bytes += sum(opt.exchange.sent.values()) - sum(sent.values())
             total += loss.item() / ACCUM
         norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
         opt.step()
@@ -122,7 +122,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
     return {"losses": losses, "norms": norms,
             "params": [p.detach().clone() for p in model.parameters()],
             "memory": opt.memory_report(), "no_sync_bytes": no_sync_bytes,
-            "sent": dict(opt.dp.sent) if opt.dp is not None else {}}
+            "sent": dict(opt.exchange.sent) if opt.exchange.world > 1 else {}}
 
 
 class _null:

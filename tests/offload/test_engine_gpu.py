@@ -21,7 +21,7 @@ def test_cuda_matches_cpu_engine(dtype):
                                    plugin=ZeroOffloadPlugin(**plugin))
     gpu_opt = ZeroOffloadOptimizer(decay_groups(gpu_model), lr=3e-3,
                                    plugin=ZeroOffloadPlugin(**plugin))
-    assert gpu_opt.transport.pinned and gpu_opt.buckets[0].grad_host.is_pinned()
+    assert gpu_opt.copier.pinned and gpu_opt.buckets[0].state.grads.grad16.is_pinned()
     for step in range(6):
         for micro in range(2):
             ids = data[(2 * step + micro) % len(data)]
@@ -47,11 +47,11 @@ def test_fp16_overflow_on_cuda_skips():
     ids = batches(1)[0].cuda()
     w = model.transformer.h[0].mlp.c_fc.weight
     h = w.register_hook(lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("nan")))
-    before = torch.cat([b.master for b in opt.buckets]).clone()
+    before = torch.cat([b.state.master for b in opt.buckets]).clone()
     opt.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
     assert opt.last_step_skipped and opt.loss_scaler.loss_scale == 512.0
-    assert torch.equal(before, torch.cat([b.master for b in opt.buckets]))
+    assert torch.equal(before, torch.cat([b.state.master for b in opt.buckets]))
     h.remove()
     opt.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()

@@ -12,7 +12,10 @@ import torch
 import torch.distributed as dist
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload import partition
+from hf_zoffload.offload.collectives import wants_sync
+from hf_zoffload.offload.exchange import LocalExchange
+from hf_zoffload.offload.partitioned import PartitionedExchange
+from hf_zoffload.offload.support import check_model
 from tests.offload import _dp_worker as w
 
 # fp32 compute: 2 ranks average two half-batch gradients where 1 process takes the mean over
@@ -197,7 +200,9 @@ def _compare_partitioned_with_single(group, device):
         results.append(([p.detach().clone() for p in model.parameters()], opt, norms))
     (single, opt1, norms1), (parted, opt2, norms2) = results
     assert norms2 == pytest.approx(norms1, rel=1e-6)
-    assert opt1.dp is None and opt2.dp is not None and opt2.dp.sent["reduce_scatter"] > 0
+    assert isinstance(opt1.exchange, LocalExchange)
+    assert isinstance(opt2.exchange, PartitionedExchange)
+    assert opt2.exchange.sent["reduce_scatter"] > 0
     for a, b in zip(single, parted):
         assert torch.equal(a, b)
     sd1, sd2 = opt1.state_dict(), opt2.state_dict()
@@ -221,29 +226,29 @@ def test_tensor_parallel_params_are_refused_before_any_change(group):
 def test_check_model_refuses_ddp_and_tp(group):
     model = w.Model()
     with pytest.raises(ValueError, match="DistributedDataParallel"):
-        partition.check_model(torch.nn.parallel.DistributedDataParallel(model))
+        check_model(torch.nn.parallel.DistributedDataParallel(model))
     model.tp_size = 2
     with pytest.raises(ValueError, match="tp_size=2 is not supported yet"):
-        partition.check_model(model)
+        check_model(model)
     del model.tp_size
-    partition.check_model(model)
+    check_model(model)
 
 
 def test_sync_signal_precedence():
     from accelerate.state import GradientState
 
     model, opt, _ = w.make(compute_dtype="fp32")
-    assert partition.wants_sync(opt)  # no accelerate state: every backward synchronizes
+    assert wants_sync(opt.sync_gradients)  # no accelerate state: every backward synchronizes
     try:
         GradientState()._set_sync_gradients(False)
-        assert not partition.wants_sync(opt)  # accelerate's micro-step inside accumulate()
+        assert not wants_sync(opt.sync_gradients)  # accelerate's micro-step inside accumulate()
         opt.sync_gradients = True
-        assert partition.wants_sync(opt)  # the engine's own flag wins
+        assert wants_sync(opt.sync_gradients)  # the engine's own flag wins
         opt.sync_gradients = None
         GradientState()._set_sync_gradients(True)
         with opt.no_sync():
-            assert not partition.wants_sync(opt)
-        assert partition.wants_sync(opt)
+            assert not wants_sync(opt.sync_gradients)
+        assert wants_sync(opt.sync_gradients)
     finally:
         GradientState._reset_state()
 

@@ -1,0 +1,183 @@
+"""Copies between the device and the host, and the waits that order them. No collective here.
+
+`CudaCopier` overlaps copies with compute on one side stream, ordered by events; `HostCopier`
+is the same interface for params that live on the CPU (no streams, no pinning), which is how
+the engine runs on a machine without a GPU and in the test suite. Every copy is keyed by its
+bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
+`wait_uploaded(key)` before the host overwrites what `to_params` / `to_flat` read. The stream
+rules are stated where each copy is queued (docs/design.md, "Stream rules").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from .layout import BucketLayout
+
+logger = logging.getLogger(__name__)
+_warned_pinning = False
+
+
+def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A host buffer, page-locked when ``pin`` (needed for truly async copies)."""
+    global _warned_pinning
+    if pin:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as exc:  # e.g. RLIMIT_MEMLOCK in containers
+            if not _warned_pinning:
+                _warned_pinning = True
+                logger.warning("pinning host memory failed (%s); using pageable memory, "
+                               "device<->host copies will not overlap compute", exc)
+    return torch.empty(numel, dtype=dtype)
+
+
+class HostCopier:
+    """Params on the CPU: a "device" buffer is host memory already, so a device twin of a
+    host buffer is that buffer, and nothing is ever in flight."""
+
+    pinned = False
+
+    def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
+        """The device buffer whose contents go to the host buffer ``host()`` (a callable: a
+        host buffer made on first use): here that buffer itself, so hooks write straight
+        into it and there is nothing to copy later."""
+        buf = host()
+        return buf.zero_() if zero else buf
+
+    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def side(self):
+        return contextlib.nullcontext()
+
+    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def wait_landed(self, key: int) -> None:
+        pass
+
+    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
+        layout.copy_to_params(src, layout.start)
+
+    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def wait_uploaded(self, key: int) -> None:
+        pass
+
+    def finish_uploads(self) -> float:
+        return 0.0
+
+
+class CudaCopier:
+    """Params on a CUDA device; every copy runs on one side stream."""
+
+    def __init__(self, device: torch.device, *, pin: bool):
+        self.device = device
+        self.pinned = pin
+        self.stream = torch.cuda.Stream(device=device)
+        self._landed: dict[int, torch.cuda.Event] = {}
+        self._uploaded: dict[int, torch.cuda.Event] = {}
+
+    def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
+        """A fresh device buffer from the caching allocator (``host`` is not called: the
+        host buffer may never be needed): only buckets still collecting or in flight hold
+        device memory, never a full gradient copy."""
+        make = torch.zeros if zero else torch.empty
+        return make(numel, dtype=dtype, device=self.device)
+
+    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A transient device buffer that only the side stream uses (the all-gather's flat
+        bucket). Allocated on the compute stream; record_stream keeps the allocator from
+        handing its memory out again before the side stream is past its last use, whenever
+        the caller drops it."""
+        buf = torch.empty(numel, dtype=dtype, device=self.device)
+        buf.record_stream(self.stream)
+        return buf
+
+    @contextlib.contextmanager
+    def side(self):
+        """Work queued inside runs on the side stream, after everything the compute stream
+        has queued so far: a buffer the compute stream wrote (grads, the check kernel) or is
+        still reading (params in the previous forward; the host runs ahead) is then safe."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _record(self, events: dict, key: int) -> None:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        events[key] = ev
+
+    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
+        """Device ``src`` -> host ``dst`` on the side stream; `wait_landed(key)` before
+        the host reads ``dst``."""
+        with self.side():
+            dst.copy_(src, non_blocking=self.pinned)
+            self._record(self._landed, key)
+        # The caller drops `src` (and `keep`, e.g. a collective's input) now: the allocator
+        # must not reuse their memory before the side stream is past this copy.
+        for t in (src, *keep):
+            t.record_stream(self.stream)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` that the compute stream may add to (an fp32 sum of
+        earlier micro-steps that this backward's grads join)."""
+        buf = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
+        with self.side():
+            buf.copy_(host, non_blocking=self.pinned)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        buf.record_stream(self.stream)
+        # The hooks add into `buf` on the compute stream: only after it has landed.
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        return buf
+
+    def wait_landed(self, key: int) -> None:
+        ev = self._landed.pop(key, None)
+        if ev is not None:
+            ev.synchronize()
+
+    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
+        """Host ``src`` (this bucket's new values) -> each param's own storage, one copy per
+        param, after the compute stream is done reading the old values."""
+        nb = self.pinned and src.is_pinned()  # the fp32 master is pageable: a blocking copy
+        with self.side():
+            layout.copy_to_params(src, layout.start, non_blocking=nb)
+            # One event after all of the bucket's copies: wait_uploaded needs them all done.
+            self._record(self._uploaded, key)
+
+    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host ``src`` -> a device buffer the side stream owns (this rank's slice of an
+        all-gather). The side stream's wait on the compute stream also orders a ``dst`` the
+        compute stream allocated before its first use here."""
+        nb = self.pinned and src.is_pinned()
+        with self.side():
+            dst.copy_(src, non_blocking=nb)
+            self._record(self._uploaded, key)
+
+    def wait_uploaded(self, key: int) -> None:
+        # The host is about to overwrite the upload's source (the 16-bit staging buffer).
+        ev = self._uploaded.pop(key, None)
+        if ev is not None:
+            ev.synchronize()
+
+    def finish_uploads(self) -> float:
+        """Make the next forward wait for the new params, without a host sync; returns the
+        host time spent (about 0: the wait is queued on the device)."""
+        t0 = time.perf_counter()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return time.perf_counter() - t0
+
+
+def make_copier(device: torch.device, *, pin: bool):
+    return CudaCopier(device, pin=pin) if device.type == "cuda" else HostCopier()

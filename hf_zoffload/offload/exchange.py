@@ -1,0 +1,90 @@
+"""How a complete bucket's gradients reach this rank's host shard, and how new params get back.
+
+The engine holds one exchange and never asks which. `LocalExchange` is one process: a
+bucket's grads are checked and copied to the host whole, and its new params uploaded.
+`partitioned.PartitionedExchange` is data parallelism (ZeRO-2 partitioning: reduce-scatter,
+all-gather). Tensor parallelism will be a third. The interface, in the order a step calls it:
+
+- ``rank``, ``world``: which shard of every bucket this rank holds (layout.py);
+  ``initial_values(layout)``: the values every rank starts from (None: the params' own);
+  ``attach(buckets, check)`` once the buckets exist (``check(buf)`` runs the inf/nan and
+  squared-norm kernel on a buffer about to leave for the host).
+- ``begin_backward()`` at the first gradient of a backward; ``open(b)`` gives the bucket a
+  device buffer (``b.window.pending``) its hooks write into; ``flush(b)`` sends a complete
+  one on its way; ``end_backward(ended)`` after every bucket of a backward is flushed.
+- ``end_window()`` before a step reads the window's grads; ``complete()`` finishes whatever
+  is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag, sumsq)`` makes the overflow flag, the
+  squared norm and which params got a gradient the same on every rank.
+- ``publish(b)`` uploads a bucket's new params after its CPU-Adam; ``finish_publish()``
+  after the last one.
+- ``gather_state(b, to)``: (master, exp_avg, exp_avg_sq) of the whole bucket on rank ``to``
+  (None elsewhere), for checkpoints; ``nbytes()``: host bytes the exchange itself holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import Bucket
+
+
+class LocalExchange:
+    """One process: every bucket's whole gradient lands in its host state."""
+
+    rank, world = 0, 1
+
+    def __init__(self, copier):
+        self.copier = copier
+        self.buckets: list[Bucket] = []
+        self.check = None
+
+    def attach(self, buckets: list[Bucket], check) -> None:
+        self.buckets, self.check = buckets, check
+
+    def initial_values(self, layout) -> torch.Tensor | None:
+        return None
+
+    def begin_backward(self) -> None:
+        pass
+
+    def open(self, b: Bucket) -> None:
+        b.fold(self.copier)  # on the CPU the buffer below is grad16 itself: fold it first
+        g16 = b.state.grads.grad16
+        # Zeroed: params that get no grad in this backward keep their place.
+        b.window.pending = self.copier.twin(g16.numel(), g16.dtype, lambda: g16, zero=True)
+        b.window.last = g16
+
+    def flush(self, b: Bucket) -> None:
+        buf = b.window.take_pending()
+        self.check(buf)
+        self.copier.to_host(b.layout.index, b.state.grads.grad16, buf)
+        b.window.landed += 1
+
+    def end_backward(self, ended: bool) -> None:
+        pass
+
+    def end_window(self) -> None:
+        pass
+
+    def complete(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def share_stats(self, flag: float, sumsq: float) -> tuple[float, float]:
+        return flag, sumsq
+
+    def publish(self, b: Bucket) -> None:
+        src = b.new_params()
+        if src is not None:  # else the CPU-Adam wrote the params in place already
+            self.copier.to_params(b.layout.index, b.layout, src)
+
+    def finish_publish(self) -> None:
+        pass
+
+    def gather_state(self, b: Bucket, *, to: int = 0):
+        return b.state.master, b.state.exp_avg, b.state.exp_avg_sq
+
+    def nbytes(self) -> dict[str, int]:
+        return {}
