@@ -84,7 +84,7 @@ static void HZ_FN(hz_narrow)(uint16_t *restrict dst, const float *restrict src, 
  * bit for bit; gcc turns it into vfmadd and vectorizes it.  One deviation: torch divides
  * sqrt(v) by sqrt(bc2); we multiply by its reciprocal (rounded once, in double, by the caller).
  * Division and sqrt share one unpipelined unit per core (several cycles per 8 lanes each), and
- * a 2-vCPU host may be one core with SMT: the 100M-param ceiling in DESIGN.md (28 B at 57 GB/s)
+ * a 2-vCPU host may be one core with SMT: the 100M-param ceiling in docs/design.md (28 B at 57 GB/s)
  * leaves ~1.7 cycles per element at 3.5 GHz, so three div/sqrt per element risk a compute-bound
  * pass.  The cost is <= 1.5 ulp more error
  * in the denominator (the tests' tolerance covers it); with bias correction off it is exact.

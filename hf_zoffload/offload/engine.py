@@ -18,13 +18,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import NamedTuple
 
 import torch
 from torch.autograd import Variable
 
 from ..config import ZeroOffloadPlugin
-from ..ops.cpu_adam import adam_update_unchecked, check_hyper
+from ..ops.cpu_adam import check_hyper
 from ..ops.scaling import unscale_check_
 from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
@@ -36,23 +35,7 @@ from .layout import build_layouts, collect_slots
 from .memory import engine_report
 from .partitioned import PartitionedExchange
 from .state import Bucket, place
-
-
-class Run(NamedTuple):
-    """One CPU-Adam call: this rank's host elements [lo, hi) of a bucket, whose params share
-    a param group and an Adam step count."""
-
-    lo: int
-    hi: int
-    step: int
-    hyper: dict  # the group's lr, betas, eps, weight_decay, read when the step was planned
-    grad_scale: float  # 1 / loss scale x clip coefficient
-
-
-class Work(NamedTuple):
-    bucket: Bucket
-    grad: torch.Tensor  # the window's gradient of the bucket's shard on the host
-    runs: list[Run]
+from .update import Work, plan, run
 
 
 def make_exchange(process_group, *, device, copier, dtype, engine_sync):
@@ -278,7 +261,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
             coef = min(1.0, max_norm / (norm + 1e-6)) \
                 if self._clip is not None or max_norm > 0 else 1.0
-            work = self._plan(self._inv_scale() * coef)
+            work = plan(self.buckets, self.param_groups, self.param_steps,
+                        self._inv_scale() * coef)
             self.applied_steps += 1
             if delayed:
                 self._start_delayed(work)
@@ -289,57 +273,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._t_step_end = time.perf_counter()
         return loss
 
-    def _plan(self, grad_scale: float) -> list[Work]:
-        """The step's CPU-Adam calls, hyperparameters read now. Runs outside this rank's
-        shard are dropped, but every rank counts every param's steps."""
-        work = []
-        for b in self.buckets:
-            if not any(b.window.present):
-                continue
-            lay, runs = b.layout, []
-            for run in lay.runs(b.window.present, lambda s: (s.group, self.param_steps[s.index])):
-                for s in run:
-                    self.param_steps[s.index] += 1
-                lo = max(run[0].offset, lay.lo)
-                hi = min(run[-1].offset + run[-1].numel, lay.hi)
-                if lo < hi:
-                    g = self.param_groups[run[0].group]
-                    runs.append(Run(lo - lay.start, hi - lay.start,
-                                    self.param_steps[run[0].index],
-                                    {k: v for k, v in g.items() if k != "params"}, grad_scale))
-            work.append(Work(b, b.grad(), runs))
-        return work
-
     def _run(self, work: list[Work], *, upload: bool) -> None:
-        t_adam = 0.0
-        # Resolved on the caller's thread: torch.get_num_threads() reads a per-thread
-        # OpenMP setting, and the delayed update runs this in a thread of its own.
-        threads = self._threads
-        for b, grad, runs in work:
-            s = b.state
-            self.copier.wait_uploaded(b.layout.index)  # its last upload read the staging
-            in_place = b.new_params() is None
-            t0 = time.perf_counter()
-            for r in runs:
-                # In place, the new 16-bit values go straight into each param's own storage:
-                # one call per param (the kernel is bitwise the same for any split).
-                parts = b.layout.param_pieces(r.lo, r.hi) if in_place else \
-                    [(r.lo, r.hi, None if s.staging is None else s.staging[r.lo:r.hi])]
-                g = r.hyper
-                for a, z, out16 in parts:
-                    # Unchecked: every buffer here was built and sized by this engine; the
-                    # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
-                    adam_update_unchecked(
-                        s.master[a:z], grad[a:z], s.exp_avg[a:z], s.exp_avg_sq[a:z],
-                        step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                        eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                        out16=out16, num_threads=threads)
-            t_adam += time.perf_counter() - t0
-            if upload:  # async on CUDA: overlaps the next bucket's update
-                self.exchange.publish(b)
+        # self._threads was resolved at construction, on the caller's thread: a call to
+        # torch.get_num_threads() here would read the delayed update's thread's own setting.
+        self.timings["cpu_adam"] = run(work, copier=self.copier, threads=self._threads,
+                                       publish=self.exchange.publish if upload else None)
         if upload:
             self.exchange.finish_publish()
-        self.timings["cpu_adam"] = t_adam
 
     def _start_delayed(self, work: list[Work]) -> None:
         # The background update reads this step's grads while the next backward streams

@@ -4,7 +4,7 @@ torch reference beside it (the ground truth of the tests).
 The kernel reads the 16-bit (or fp32) gradient, scales it by ``grad_scale`` (the engine folds
 ``inv_loss_scale * clip_coef`` in here), updates master/exp_avg/exp_avg_sq in place and
 optionally writes the new parameters rounded to fp16/bf16, all in one pass: 28 B/param with
-16-bit grads and output, against 40 B for the composed torch path (DESIGN.md).
+16-bit grads and output, against 40 B for the composed torch path (docs/design.md, "Data flow").
 
 Numerics follow torch's single-tensor Adam/AdamW on CPU op for op (same fp32 roundings, FMA at
 the same places), so results agree with torch.optim.AdamW to within a few fp32 ulps; see
