@@ -1,49 +1,214 @@
 #!/usr/bin/env bash
-# GPU checks: the `gpu`-marked tests, then the GPU benchmarks. Logs go to $OUT when it is
-# set (else outputs/gpu_check). Run from anywhere on a fresh CUDA machine:
-#   bash scripts/gpu_check.sh
-# It makes .venv-gpu. A CUDA torch already installed for $PYTHON (GPU images ship one, and
-# often have no network) is reused through --system-site-packages; otherwise torch and
-# triton come from PyPI, whose default Linux wheels are the CUDA builds (test.sh pins the
-# CPU-sized torch==2.13.0 instead, which is why this script keeps its own venv).
-# Exits non-zero if a test or a benchmark failed; all of them run regardless.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# GPU checks for a CUDA machine, run with the interpreter found there, installing nothing:
+#   bash scripts/gpu_check.sh            # uses python3 on PATH; PYTHON=/path/to/python overrides
+# Stages, each with its own timeout and its log in $OUT/<stage>.log (OUT defaults to
+# outputs/gpu_check): env (nvidia-smi, versions), cuda (torch.cuda.is_available() and one
+# kernel; when it fails nothing else runs), build (the CPU-Adam extension, in place), gpu_tests
+# (pytest -m gpu with HF_ZOFFLOAD_REQUIRE_GPU=1: a skipped gpu test fails, and so does
+# collecting none), then the GPU benchmarks. $OUT/summary.md gets a pass/fail/timeout table,
+# rewritten after every stage. Every stage runs even after an earlier one failed; the exit
+# status is non-zero if any failed. The whole run stays within GPU_CHECK_BUDGET_S (540 s):
+# a stage gets what is left of it when that is less than its own timeout.
+#
+# To add a check, add a `stage NAME TIMEOUT_S CMD...` line below. CMD is a program with its
+# arguments, or a shell function defined in this file (it runs under bash -c, so it sees only
+# exported variables: ROOT, OUT, PY). Keep the sum of the timeouts within the budget.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/outputs/gpu_check}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)" || exit 2
+cd "$ROOT" || exit 2
+PY="$(command -v "${PYTHON:-python3}" || echo "${PYTHON:-python3}")"
+export ROOT OUT PY
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, no install
 export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET  # the compiled kernels are what is checked here
-LOG_DIR="${OUT:-outputs/gpu_check}"
-mkdir -p "$LOG_DIR"
-PYTHON_BIN="${PYTHON:-python3}"
+export HF_ZOFFLOAD_REQUIRE_GPU=1  # tests/conftest.py: a skipped gpu test is a failure
+unset TRITON_INTERPRET            # the compiled kernels are what is checked here
 
-if [ ! -x .venv-gpu/bin/python ]; then
-    if "$PYTHON_BIN" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' \
-            2>/dev/null; then
-        "$PYTHON_BIN" -m venv --system-site-packages .venv-gpu
+BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+KILL_GRACE=5    # seconds between timeout's TERM and its KILL
+STATUS=0        # 1 once any stage did not pass
+ROWS=()         # summary table rows
+FAILED=()       # "name|result" of each stage that did not pass
+NOTE=""         # a line for the top of the summary
+
+info() {  # info KEY: the value of an "info KEY: value" line printed by the env or cuda stage
+    local value
+    value="$(sed -n "s/^info $1: //p" "$OUT/env.log" "$OUT/cuda.log" 2>/dev/null | head -n 1)"
+    echo "${value:-unknown}"
+}
+
+write_summary() {
+    local verdict=PASS line name
+    [ "$STATUS" -eq 0 ] || verdict=FAIL
+    {
+        echo "# gpu_check: $verdict"
+        echo
+        echo "- GPU: $(info gpu)"
+        echo "- driver (nvidia-smi): $(info driver)"
+        echo "- python: $(info python)"
+        echo "- torch: $(info torch)"
+        echo "- versions: $(info versions)"
+        echo "- compiler: $(info cc)"
+        echo "- host: $(hostname 2>/dev/null), $(nproc 2>/dev/null) CPUs; $(date -u +%FT%TZ);" \
+             "${SECONDS} s of a ${BUDGET_S} s budget"
+        [ -z "$NOTE" ] || echo "- **$NOTE**"
+        echo
+        echo "| stage | result | seconds | timeout (s) | log |"
+        echo "| --- | --- | ---: | ---: | --- |"
+        [ "${#ROWS[@]}" -eq 0 ] || printf '%s\n' "${ROWS[@]}"
+        for line in ${FAILED[@]+"${FAILED[@]}"}; do
+            name="${line%%|*}"
+            echo
+            echo "## $name: ${line#*|} (last 40 lines of $name.log)"
+            echo
+            echo '```'
+            tail -n 40 "$OUT/$name.log" 2>/dev/null
+            echo '```'
+        done
+    } >"$OUT/summary.md"
+}
+
+stage() {  # stage NAME TIMEOUT_S CMD...: run CMD under timeout, output to $OUT/NAME.log
+    local name=$1 limit=$2 asked=$2 rc result t0 secs
+    shift 2
+    local left=$((BUDGET_S - SECONDS - KILL_GRACE))
+    [ "$limit" -le "$left" ] || limit=$left
+    local log="$OUT/$name.log"
+    echo "\$ $*" >"$log"
+    if [ "$limit" -lt 1 ]; then
+        echo "not run: the ${BUDGET_S} s budget of gpu_check.sh is spent" >>"$log"
+        rc=1 result="not run (budget spent)" secs=0
     else
-        "$PYTHON_BIN" -m venv .venv-gpu
-        .venv-gpu/bin/python -m pip install -q torch triton
+        if declare -F "$1" >/dev/null; then  # a function of this file: run it in a bash
+            export -f "$1"
+            set -- bash -c '"$@"' bash "$@"
+        fi
+        echo "gpu_check: [$name] timeout ${limit} s: see $log"
+        t0=$SECONDS
+        # timeout kills the command's whole process group. It runs in the background so that
+        # a signal to this script is handled at once (interrupted, below); the subshell gives
+        # it back the SIGINT that bash takes from background commands.
+        (trap - INT QUIT; exec timeout -k "$KILL_GRACE" "$limit" "$@") >>"$log" 2>&1 </dev/null &
+        STAGE_PID=$! STAGE_NAME=$name STAGE_T0=$t0 STAGE_LIMIT=$asked
+        wait "$STAGE_PID"
+        rc=$?
+        STAGE_PID=""
+        secs=$((SECONDS - t0))
+        if [ "$rc" -eq 0 ]; then
+            result=pass
+        elif { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "$secs" -ge "$limit" ]; then
+            result="timeout"
+            echo "gpu_check: killed after its ${limit} s timeout" >>"$log"
+        else
+            result="fail (exit $rc)"
+        fi
     fi
-fi
-# shellcheck disable=SC1091
-source .venv-gpu/bin/activate
-if grep -q "include-system-site-packages = true" .venv-gpu/pyvenv.cfg; then
-    # Offline-safe: build against what is installed, fetch nothing.
-    install=(--no-deps --no-build-isolation -e .)
-else
-    install=(-e ".[test]")
-fi
-if ! python -m pip install -q "${install[@]}" 2>&1 | tee "$LOG_DIR/install.log"; then
-    echo "gpu_check: editable install failed (see install.log); using PYTHONPATH" >&2
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+    record "$name" "$result" "$secs" "$asked"
+    echo "gpu_check: [$name] $result, ${secs} s"
+    write_summary
+    [ "$rc" -eq 0 ]
+}
 
-status=0
-{ nvidia-smi || true; python -c 'import torch, triton; print("torch", torch.__version__,
-"cuda", torch.version.cuda, "triton", triton.__version__)'; } 2>&1 | tee "$LOG_DIR/env.txt"
-python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$LOG_DIR/pytest_gpu.log" || status=1
-# Benchmarks: add new GPU benchmark scripts to this list.
-for bench in scripts/bench_scaling.py scripts/bench_offload.py; do
-    python "$bench" 2>&1 | tee "$LOG_DIR/$(basename "$bench" .py).md" || status=1
-done
-echo "gpu_check: logs in $LOG_DIR; status $status"
-exit "$status"
+record() {  # record NAME RESULT SECONDS TIMEOUT_S: a row of the summary table
+    ROWS+=("| $1 | $2 | $3 | $4 | $1.log |")
+    if [ "$2" != pass ]; then
+        STATUS=1
+        FAILED+=("$1|$2")
+    fi
+}
+
+interrupted() {  # on INT/TERM/HUP: stop the running stage, write the summary, exit 130
+    trap - INT TERM HUP
+    if [ -n "$STAGE_PID" ]; then
+        kill -TERM "$STAGE_PID" 2>/dev/null
+        wait "$STAGE_PID" 2>/dev/null
+        echo "gpu_check: interrupted" >>"$OUT/$STAGE_NAME.log"
+        record "$STAGE_NAME" interrupted "$((SECONDS - STAGE_T0))" "$STAGE_LIMIT"
+    fi
+    STATUS=1
+    NOTE="interrupted by a signal; the stages after the last one listed did not run"
+    write_summary
+    echo "gpu_check: interrupted; summary in $OUT/summary.md" >&2
+    exit 130
+}
+STAGE_PID=""
+trap interrupted INT TERM HUP
+
+env_info() {
+    if command -v nvidia-smi >/dev/null; then
+        echo "info driver: $(nvidia-smi --query-gpu=name,driver_version,memory.total \
+            --format=csv,noheader 2>&1 | paste -sd ';')"
+        nvidia-smi
+    else
+        echo "info driver: nvidia-smi not found"
+    fi
+    echo "info cc: $( (cc --version 2>&1 || echo 'no cc on PATH') | head -n 1)"
+    # Versions from the package metadata: importing torch or transformers here would cost
+    # seconds on a machine without a GPU, where the cuda stage must fail fast.
+    "$PY" - <<'EOF'
+import importlib.metadata as md
+import platform
+import sys
+
+print(f"info python: {sys.executable} ({platform.python_version()})")
+found = []
+for name in ("torch", "triton", "transformers", "accelerate", "peft", "Cython", "setuptools",
+             "pytest", "numpy"):
+    try:
+        found.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        found.append(f"{name} missing")
+print("info versions: " + ", ".join(found))
+EOF
+}
+
+cuda_check() {
+    "$PY" - <<'EOF'
+import sys
+
+try:
+    import torch
+except Exception as exc:
+    sys.exit(f"no CUDA device available: cannot import torch ({exc!r})")
+print(f"info torch: {torch.__version__}, built with CUDA {torch.version.cuda}")
+if not torch.cuda.is_available():
+    sys.exit(f"no CUDA device available: torch.cuda.is_available() is False (torch "
+             f"{torch.__version__}, built with CUDA {torch.version.cuda})")
+p = torch.cuda.get_device_properties(0)
+print(f"info gpu: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, "
+      f"{p.multi_processor_count} SMs; {torch.cuda.device_count()} device(s) visible")
+n = 1 << 20
+assert torch.ones(n, device="cuda").sum().item() == n  # a kernel runs and returns
+print("a kernel ran on the device")
+EOF
+}
+
+gpu_tests() {
+    "$PY" -m pytest tests -m gpu -q -p no:cacheprovider --durations=15 \
+        --continue-on-collection-errors
+    local rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "gpu_check: pytest collected no gpu test (exit 5), which counts as a failure"
+        return 1
+    fi
+    return "$rc"
+}
+
+echo "gpu_check: python $PY; logs and summary.md in $OUT"
+stage env 15 env_info
+if ! stage cuda 45 cuda_check; then
+    NOTE="no CUDA device available to $PY (see cuda.log); nothing after the cuda stage was run"
+    write_summary
+    echo "gpu_check: FAIL: $NOTE" >&2
+    tail -n 3 "$OUT/cuda.log" >&2
+    exit 1
+fi
+stage build 90 "$PY" setup.py build_ext --inplace --force
+stage gpu_tests 240 gpu_tests
+stage bench_scaling 60 "$PY" scripts/bench_scaling.py
+stage bench_offload 90 "$PY" scripts/bench_offload.py --device cuda
+write_summary
+cat "$OUT/summary.md"
+echo "gpu_check: $([ "$STATUS" -eq 0 ] && echo PASS || echo FAIL); summary in $OUT/summary.md"
+exit "$STATUS"
