@@ -116,12 +116,7 @@ class ZeroOffloadPlugin:
     def from_sources(cls, *, config_file: str | None = None, environ=None, **overrides):
         """Merge, lowest precedence first: the sidecar yaml (``config_file``, else the file
         named by ``HF_ZOFFLOAD_CONFIG``), ``HF_ZOFFLOAD_*`` variables, then ``overrides``."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        path = config_file or environ.get(CONFIG_ENV)
-        if path:
-            values.update(read_yaml(path))
-        values.update(env_values(environ))
+        values, _ = sourced_values(environ=environ, config_file=config_file)
         _check_keys(overrides, "argument")
         values.update(overrides)
         return cls(**values)
@@ -258,6 +253,22 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: '{YAML_SECTION}' must be a mapping")
     _check_keys(section, f"key in {path}")
     return dict(section)
+
+
+def sourced_values(environ=None, config_file: str | None = None) -> tuple[dict[str, Any], str]:
+    """The settings the sources give, before any argument: the sidecar yaml (``config_file``,
+    else the file named by ``HF_ZOFFLOAD_CONFIG``) overlaid by ``HF_ZOFFLOAD_*`` variables,
+    as raw values; and where they came from, for messages (e.g. ``"x_zoffload.yaml /
+    HF_ZOFFLOAD_* variables"``). Unknown keys raise, as in `read_yaml` and `env_values`."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    where = []
+    path = config_file or environ.get(CONFIG_ENV)
+    if path:
+        values.update(read_yaml(path))
+        where.append(path)
+    values.update(env_values(environ))
+    return values, " / ".join(where + ["HF_ZOFFLOAD_* variables"])
 
 
 def enabled_from_sources(*, default: bool, environ=None) -> bool:

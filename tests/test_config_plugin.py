@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import yaml
 
-from hf_zoffload.config import ZeroOffloadPlugin, env_values, read_yaml
+from hf_zoffload.config import ZeroOffloadPlugin, env_values, read_yaml, sourced_values
 
 
 def _sidecar(tmp_path, section, **top):
@@ -26,6 +26,22 @@ def test_precedence_argument_over_env_over_yaml(tmp_path):
     # config_file= names the yaml instead of HF_ZOFFLOAD_CONFIG, still below env
     q = ZeroOffloadPlugin.from_sources(config_file=path, environ={"HF_ZOFFLOAD_HYSTERESIS": "7"})
     assert (q.bucket_size_mb, q.hysteresis) == (4.0, 7)
+
+
+def test_sourced_values_merge_yaml_and_env_and_say_where(tmp_path):
+    """The one reading of the sources that from_sources and both integrations use: raw
+    values, yaml overlaid by HF_ZOFFLOAD_*, and where they came from."""
+    path = _sidecar(tmp_path, {"bucket_size_mb": 4, "hysteresis": 5})
+    values, where = sourced_values(environ={"HF_ZOFFLOAD_CONFIG": path,
+                                            "HF_ZOFFLOAD_BUCKET_SIZE_MB": "8"})
+    assert values == {"bucket_size_mb": "8", "hysteresis": 5}
+    assert where == f"{path} / HF_ZOFFLOAD_* variables"
+    # config_file= instead of HF_ZOFFLOAD_CONFIG; nothing set: nothing, env named only
+    assert sourced_values(environ={}, config_file=path) == (
+        {"bucket_size_mb": 4, "hysteresis": 5}, f"{path} / HF_ZOFFLOAD_* variables")
+    assert sourced_values(environ={}) == ({}, "HF_ZOFFLOAD_* variables")
+    with pytest.raises(ValueError, match="HF_ZOFFLOAD_BUCKET_MB"):
+        sourced_values(environ={"HF_ZOFFLOAD_BUCKET_MB": "3"})
 
 
 def test_round_trips(tmp_path):

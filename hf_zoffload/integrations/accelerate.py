@@ -17,9 +17,11 @@ The loop itself is unchanged::
 The AdamW is replaced by a `ZeroOffloadOptimizer` with the same param groups and
 hyper-parameters (after the model is on the device, as the engine casts it in place), and the
 schedulers passed along are re-pointed at it. A `ZeroOffloadOptimizer` built by hand is taken
-as is. Settings: arguments > HF_ZOFFLOAD_* > the sidecar yaml named by HF_ZOFFLOAD_CONFIG;
-HF_ZOFFLOAD_ENABLED=false (or `zero_offload: false` in the sidecar) makes it plain
-`accelerator.prepare`.
+as is. The wiring shared with `ZeroOffloadTrainer` (accelerate's optimizer wrapper, the
+clip route and fp16 loss scaler on this accelerator, the frozen-param cast, the flush before
+saving) is `hf_zoffload.integrations.core`. Settings: arguments > HF_ZOFFLOAD_* > the sidecar
+yaml named by HF_ZOFFLOAD_CONFIG; HF_ZOFFLOAD_ENABLED=false (or `zero_offload: false` in the
+sidecar) makes it plain `accelerator.prepare`.
 
 Accelerate internals relied on (accelerate 1.15; tests/integrations/test_accelerate.py pins
 them): `prepare_optimizer` keeps an optimizer marked `_is_accelerate_prepared` as is;
@@ -31,44 +33,20 @@ them): `prepare_optimizer` keeps an optimizer marked `_is_accelerate_prepared` a
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from hf_zoffload.config import (
-    CONFIG_ENV,
-    ZeroOffloadPlugin,
-    enabled_from_sources,
-    env_values,
-    read_yaml,
-)
+from ..config import ZeroOffloadPlugin, enabled_from_sources, sourced_values
+from ..offload.engine import ZeroOffloadOptimizer
+from . import core
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
-
 
 
 def zero_offload_enabled(*, environ=None) -> bool:
     """HF_ZOFFLOAD_ENABLED if set, else the sidecar's ``zero_offload:``, else True."""
     return enabled_from_sources(default=True, environ=environ)
-
-
-class _OffloadedOptimizer(AcceleratedOptimizer):
-    """Accelerate's wrapper, steps only when `sync_gradients`; knows when the engine skipped."""
-
-    def __init__(self, engine):
-        # device_placement=False: accelerate round-trips the state dict through the device
-        # (state_dict -> .to(device) -> load_state_dict): that would copy the host fp32 master
-        # and both moments (12 B/param, 84 GB for 7B) to the GPU. scaler=None: the engine
-        # unscales and checks overflow itself (fused_loss_scaling).
-        super().__init__(engine, device_placement=False, scaler=None)
-        self._is_accelerate_prepared = True  # prepare() then registers it as is
-
-    @property
-    def step_was_skipped(self):
-        # Read by AcceleratedScheduler: an fp16 overflow skips the LR step too.
-        return bool(getattr(self.optimizer, "last_step_skipped", False))
 
 
 def _check_accelerator(accelerator) -> None:
@@ -83,18 +61,12 @@ def _check_accelerator(accelerator) -> None:
                          "supported with ZeRO-Offload; allowed: no, fp16, bf16")
 
 
-def _dtype_set_by_user(environ) -> bool:
-    path = environ.get(CONFIG_ENV)
-    return "compute_dtype" in env_values(environ) or bool(path and
-                                                          "compute_dtype" in read_yaml(path))
-
-
 def _plugin(accelerator, settings: dict) -> ZeroOffloadPlugin:
     mp = str(accelerator.mixed_precision)
     # Unset everywhere, the compute dtype follows accelerate's fp16/bf16, so that
     # `accelerate config` alone is enough; set anywhere, it must agree (checked below).
     if mp in ("fp16", "bf16") and "compute_dtype" not in settings \
-            and not _dtype_set_by_user(os.environ):
+            and "compute_dtype" not in sourced_values()[0]:
         settings = {**settings, "compute_dtype": mp}
     return ZeroOffloadPlugin.from_sources(**settings)
 
@@ -108,8 +80,6 @@ def _check_dtype(accelerator, plugin) -> None:
 
 
 def _engine_from_adam(opt: torch.optim.Optimizer, plugin):
-    from hf_zoffload.offload.engine import ZeroOffloadOptimizer
-
     if opt.state:
         raise ValueError(
             f"{type(opt).__name__} has already stepped; its state cannot move to the host: "
@@ -175,57 +145,6 @@ def _repoint_schedulers(objects, old, engine) -> None:
             "ZeRO-Offload optimizer that replaces the optimizer.")
 
 
-def _engine_params(engine) -> list[torch.nn.Parameter]:
-    return [p for g in engine.param_groups for p in g["params"]]
-
-
-def _install(accelerator, engine) -> None:
-    """Per-instance patches of this accelerator only (no class is touched)."""
-    if getattr(accelerator, "_zero_offload_engine", None) is not None:
-        raise ValueError("this Accelerator already has a ZeRO-Offload optimizer; one per "
-                         "Accelerator is supported")
-    accelerator._zero_offload_engine = engine
-    if engine.plugin.compute_dtype == "fp16":
-        # accelerator.backward(loss) then runs `scaler.scale(loss).backward()` with our
-        # dynamic scale; unscale_gradients() is a no-op for the fused engine.
-        accelerator.scaler = engine.loss_scaler
-    ours = {id(p) for p in _engine_params(engine)}
-    clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
-
-    def split(parameters):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        mine = {id(p) for p in params} & ours
-        if mine and mine != ours:
-            raise ValueError(
-                "accelerator.clip_grad_norm_ got part of the ZeRO-Offload optimizer's "
-                "parameters: their gradients are in host buckets and are clipped together; "
-                "pass all of them (model.parameters()).")
-        others = [p for p in params if id(p) not in ours and p.grad is not None]
-        if mine and others:
-            raise ValueError("accelerator.clip_grad_norm_ mixes ZeRO-Offload parameters with "
-                             "others that have gradients; clip them in two calls.")
-        return params, bool(mine)
-
-    # The gradients were streamed to the host during backward (param.grad is None), so
-    # accelerate's torch.nn.utils.clip_grad_norm_ would see none: the engine computes the
-    # global norm from its buckets and applies the clip coefficient inside the next step.
-    def clip_grad_norm_(parameters, max_norm, norm_type=2):
-        params, offloaded = split(parameters)
-        if offloaded:
-            return engine.clip_grad_norm_(max_norm, norm_type)
-        return clip_norm(params, max_norm, norm_type)
-
-    def clip_grad_value_(parameters, clip_value_):
-        params, offloaded = split(parameters)
-        if offloaded:
-            raise NotImplementedError("clip_grad_value_ is not supported with ZeRO-Offload "
-                                      "(gradients live in host buckets); use clip_grad_norm_")
-        return clip_value(params, clip_value_)
-
-    accelerator.clip_grad_norm_ = clip_grad_norm_
-    accelerator.clip_grad_value_ = clip_grad_value_
-
-
 def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None = None,
                          enabled: bool | None = None, **settings):
     """Drop-in for ``accelerator.prepare(*objects)`` that offloads the optimizer.
@@ -252,8 +171,6 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     if plugin is not None and settings:
         raise TypeError("pass either plugin= or ZeRO-Offload settings as keywords, not both")
     _check_accelerator(accelerator)
-    from hf_zoffload.offload.engine import ZeroOffloadOptimizer
-
     old = optimizers[0]
     if isinstance(old, ZeroOffloadOptimizer):
         engine = old
@@ -273,30 +190,23 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
         engine = _engine_from_adam(old, plugin)
         _repoint_schedulers(objects, old, engine)
     _check_dtype(accelerator, engine.plugin)
-    ours = {id(p) for p in _engine_params(engine)}
-    for m in models:  # frozen weights join the compute dtype, or matmuls would mix dtypes;
-        params = list(m.parameters())  # only in the trained model, not e.g. a teacher
-        if any(id(p) in ours for p in params):
-            for p in params:
-                if not p.requires_grad and p.is_floating_point():
-                    p.data = p.data.to(engine.plugin.torch_dtype)
     if accelerator.device_placement:
-        wrong = {str(p.device) for p in _engine_params(engine)
+        wrong = {str(p.device) for p in core.engine_params(engine)
                  if not _same_device(p.device, accelerator.device)}
         if wrong:
             raise ValueError(f"the optimizer's parameters are on {sorted(wrong)}, not on "
                              f"{accelerator.device}: build the ZeroOffloadOptimizer after "
                              "model.to(accelerator.device), or pass a torch AdamW instead")
-    _install(accelerator, engine)
-    wrapped = _OffloadedOptimizer(engine)
+    # Frozen float params of the trained model(s) join the compute dtype, or matmuls would
+    # mix dtypes (not those of e.g. a teacher); reading their weights lands a delayed update.
+    core.install(accelerator, engine)  # the fp16 loss scaler and the clip route
+    trained = core.prepare_models(engine, models)
+    wrapped = core.OffloadedOptimizer(engine)
     ready = []
     for o in objects:
         if o is old:
             o = wrapped
-        elif isinstance(o, torch.nn.Module) and any(id(p) in ours for p in o.parameters()):
-            # With the delayed update the last step's params land at the next step; reading
-            # the weights (save_state, save_pretrained, get_state_dict) lands them first.
-            o.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
+        elif any(o is m for m in trained):
             # No DDP wrapper: with several processes the engine reduce-scatters the grads
             # itself; DDP would all-reduce them again and keep a full gradient copy on the
             # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.

@@ -11,6 +11,9 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from tokenizers import ByteLevelBPETokenizer
+from transformers import GPT2Config, PreTrainedTokenizerFast
+
 EOS = "<|endoftext|>"
 # Test suites are mostly boilerplate asserts and idlelib is GUI code; skipping them keeps the
 # corpus closer to ordinary library code.
@@ -53,9 +56,6 @@ def train_tokenizer(texts, *, vocab_size: int = 2048, model_max_length: int = 10
     and the output layer (the default model's costliest matmul) at 0.26 M params; 4096
     entries made a training step 2.8x slower (225 vs 80 ms with 128-token blocks).
     """
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2,
                             special_tokens=[EOS], show_progress=False)
@@ -72,7 +72,5 @@ def default_config(*, vocab_size: int, block_size: int = 64, eos_token_id: int =
     Forward + backward of 8 x 64 tokens: 80 ms on 2 idle cores (fp32), so the quickstart's
     300 steps take well under a minute there, and a few minutes on a busy machine.
     """
-    from transformers import GPT2Config
-
     return GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=128, n_layer=4,
                       n_head=4, bos_token_id=eos_token_id, eos_token_id=eos_token_id)

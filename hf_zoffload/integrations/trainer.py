@@ -5,13 +5,16 @@
 Trainer's AdamW. With ``zero_offload`` off the Trainer is the stock one: every override below
 hands straight to `Trainer`.
 
-How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.x):
+How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.x); the
+wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.core`:
 
 - Optimizer: `create_optimizer` (the documented override point) builds the engine over the
-  Trainer's decay / no-decay groups and wraps it in `_OffloadedOptimizer`, an
+  Trainer's decay / no-decay groups and wraps it in `core.OffloadedOptimizer`, an
   `AcceleratedOptimizer` already marked prepared, so ``accelerator.prepare`` registers it as is:
   the stock wrapper would copy the host state to the device (12 B/param, what offload exists to
   avoid) and patch ``step`` for a torch GradScaler we do not use.
+- Frozen params: float params without ``requires_grad`` are cast to the compute dtype too
+  (`core.prepare_models`), or a partly frozen (LoRA-style) model would mix dtypes in its matmuls.
 - Loss scale: the engine's `DynamicLossScaler` becomes ``accelerator.scaler`` (fp16 only), so
   ``accelerator.backward`` scales the loss and the Trainer saves / loads it as ``scaler.pt``.
 - Precision: accelerate's autocast is turned off for offload runs (`_build_accelerator_args`):
@@ -20,7 +23,8 @@ How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.
   start at all.
 - Clipping and ``grad_norm``: the Trainer clips through ``accelerator.clip_grad_norm_``, which
   sees no ``.grad`` once the hooks have streamed them to the host. That method is patched on
-  this Trainer's accelerator only, to the engine's ``clip_grad_norm_`` (unscaled global norm).
+  this Trainer's accelerator only (`core.install`), to the engine's ``clip_grad_norm_``
+  (unscaled global norm).
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
 """
@@ -28,6 +32,7 @@ How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -35,12 +40,15 @@ import warnings
 from dataclasses import field, make_dataclass
 
 import torch
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
-from ..config import CONFIG_ENV, ZeroOffloadPlugin, enabled_from_sources, env_values, read_yaml
+from ..config import ZeroOffloadPlugin, enabled_from_sources, sourced_values
+from ..offload.engine import ZeroOffloadOptimizer
+from ..offload.memory import format_report
+from ..offload.support import check_model
+from . import core
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +57,6 @@ __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS
 # The engine is AdamW (decoupled weight decay) with torch's hyperparameters and state keys;
 # these are the Trainer optimizers with exactly that update rule.
 ALLOWED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-_TIMINGS = ("fwd_bwd", "d2h", "cpu_adam", "h2d")
 _MULTI_DEVICE = "torch.nn.DataParallel is not supported"
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
@@ -94,23 +101,12 @@ def _check_args(self) -> None:
                          f"be used with it; allowed: {', '.join(ALLOWED_OPTIMS)}")
 
 
-def _sourced() -> tuple[dict, str]:
-    """The yaml + environment settings (what from_sources would read) and where from."""
-    values, where = {}, []
-    if os.environ.get(CONFIG_ENV):
-        values.update(read_yaml(os.environ[CONFIG_ENV]))
-        where.append(os.environ[CONFIG_ENV])
-    env = env_values()
-    values.update(env)
-    return values, " / ".join(where + ["HF_ZOFFLOAD_* variables"])
-
-
 def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
     """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
     defaults, with the compute dtype and the clip norm taken from the Trainer's own options."""
     given = {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
              if getattr(self, f"zero_offload_{n}") is not None}
-    sourced, where = _sourced()
+    sourced, where = sourced_values()
 
     flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
     if "compute_dtype" in given:
@@ -170,44 +166,7 @@ ZeroOffloadTrainingArguments = make_dataclass(
 ZeroOffloadTrainingArguments.__module__ = __name__  # make_dataclass(module=) is 3.12+
 
 
-# --------------------------------------------------------------------------- optimizer
-class _OffloadedOptimizer(AcceleratedOptimizer):
-    """The engine as accelerate sees it: no state move to the device, no GradScaler patch
-    (the engine unscales, checks and skips inside its own step), and the engine's skip
-    reported to the Trainer. Also sums the engine's per-step timings for the log window."""
-
-    def __init__(self, engine):
-        super().__init__(engine, device_placement=False, scaler=None)
-        self._is_accelerate_prepared = True
-        self.window = dict.fromkeys(_TIMINGS, 0.0)
-        self.counts = dict.fromkeys(_TIMINGS, 0)
-        self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return bool(self.optimizer.last_step_skipped)
-
-    def step(self, closure=None):
-        synced = self.gradient_state.sync_gradients
-        out = super().step(closure)
-        if synced:
-            for k in _TIMINGS:
-                if not (k == "fwd_bwd" and self.first):
-                    self.window[k] += self.optimizer.timings.get(k, 0.0)
-                    self.counts[k] += 1
-            self.first = False
-        return out
-
-    def take_window(self) -> dict:
-        """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
-        time between two optimizer steps: forward, backward and the loop's own work."""
-        out = {f"{k}_ms": round(1e3 * v / max(self.counts[k], 1), 3)
-               for k, v in self.window.items()}
-        self.window = dict.fromkeys(_TIMINGS, 0.0)
-        self.counts = dict.fromkeys(_TIMINGS, 0)
-        return out
-
-
+# --------------------------------------------------------------------------- callbacks
 class _MemoryReport(TrainerCallback):
     """When training begins (the model is prepared by then): checks that no wrapper such as
     DDP came around the model, and logs the engine's model-state memory once."""
@@ -216,8 +175,6 @@ class _MemoryReport(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from ..offload.partition import check_model
-
         check_model(self.trainer.model_wrapped)
         self.trainer._log_memory_report()
 
@@ -231,8 +188,6 @@ class ZeroOffloadTrainer(Trainer):
     """`Trainer` that, with ``args.zero_offload``, trains through the ZeRO-Offload engine."""
 
     def __init__(self, *args, **kwargs):
-        import inspect
-
         bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
         targs = bound.get("args")
         if getattr(targs, "zero_offload", False):
@@ -281,14 +236,12 @@ class ZeroOffloadTrainer(Trainer):
     def engine(self):
         """The `ZeroOffloadOptimizer`, once created (None before, or without offload)."""
         opt = getattr(self, "optimizer", None)
-        return opt.optimizer if isinstance(opt, _OffloadedOptimizer) else None
+        return opt.optimizer if isinstance(opt, core.OffloadedOptimizer) else None
 
     def create_optimizer(self, model=None):
         if not self.zero_offload:
             return super().create_optimizer(model)
         if self.optimizer is None:
-            from ..offload.engine import ZeroOffloadOptimizer
-
             opt_model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
@@ -301,25 +254,21 @@ class ZeroOffloadTrainer(Trainer):
                 [g for g in groups if g["params"]], lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
                 weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin())
-            # With the delayed update the last step's params land only at the next step:
-            # whatever reads the model's weights (saving, evaluating, the end of training)
-            # first lands them. state_dict covers every save path (save_model, checkpoints).
-            opt_model.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
-            if engine.loss_scaler.is_enabled():
-                self.accelerator.scaler = engine.loss_scaler
-            # Patched on this instance only: the Trainer clips (and reads grad_norm) through
-            # accelerator.clip_grad_norm_(model.parameters(), ...), in every transformers
-            # version; the grads are on the host by then, only the engine can answer.
-            self.accelerator.clip_grad_norm_ = (
-                lambda parameters, max_norm, norm_type=2: engine.clip_grad_norm_(
-                    max_norm, norm_type))
-            self.optimizer = _OffloadedOptimizer(engine)
+            # The fp16 loss scaler and the clip route, on this accelerator only: the Trainer
+            # clips (and reads grad_norm) through accelerator.clip_grad_norm_(
+            # model.parameters(), ...); the grads are on the host by then. replace: with
+            # model_init, each train() re-creates the optimizer on the same accelerator.
+            core.install(self.accelerator, engine, replace=True)
+            # Frozen float params join the compute dtype; reading the weights (saving,
+            # evaluating, the end of training) first lands a pending delayed update.
+            core.prepare_models(engine, [opt_model])
+            self.optimizer = core.OffloadedOptimizer(engine)
         return self.optimizer
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The Trainer calls optimizer.state_dict() on the saving rank only; with N ranks the
         # engine's state_dict is a gather every rank must enter, so all ranks gather here.
-        if self.engine is not None and self.engine.dp is not None:
+        if self.engine is not None:  # one process: a no-op
             self.engine.consolidate_state_dict()
         super()._save_optimizer_and_scheduler(output_dir)
 
@@ -360,8 +309,6 @@ class ZeroOffloadTrainer(Trainer):
         if engine is None or self._memory_logged:
             return
         self._memory_logged = True
-        from ..offload.memory import format_report
-
         report = engine.memory_report()
         logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
         self.log({"offload_device_mib": round(report["device_total"] / 2**20, 3),

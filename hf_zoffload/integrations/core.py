@@ -1,0 +1,179 @@
+"""What the Trainer and the Accelerate integrations share: how an engine is wired in.
+
+Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py) build a
+`ZeroOffloadOptimizer` their own way, then hand it here:
+
+- `OffloadedOptimizer`: the engine as accelerate sees it, an `AcceleratedOptimizer` already
+  marked prepared (``accelerator.prepare`` registers it as is: the stock wrapper would copy the
+  host state to the device, 12 B/param, and patch ``step`` for a torch GradScaler we do not
+  use). Its ``step_was_skipped`` is the engine's overflow skip, so the scheduler holds on those
+  steps; it also sums the engine's per-step timings for the Trainer's log window.
+- `install`: the one place an accelerator is patched, on that instance only (no class is
+  touched): the fp16 loss scaler becomes ``accelerator.scaler`` and ``clip_grad_norm_`` /
+  ``clip_grad_value_`` route the engine's params to the engine (their gradients were streamed
+  to host buckets during backward; ``param.grad`` is None).
+- `prepare_models`: frozen float params of the trained model(s) join the compute dtype (the
+  engine casts only the params it trains; a frozen fp32 weight next to them would make the
+  matmuls mix dtypes), and reading their weights (``state_dict``) first lands a pending delayed
+  update. Models holding none of the engine's params (e.g. a teacher) are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "engine_params", "trains",
+           "prepare_models", "install", "attached_engine"]
+
+TIMINGS = ("fwd_bwd", "d2h", "cpu_adam", "h2d")
+# On the accelerator instance: the engine installed, and what `install` replaced.
+_ENGINE_ATTR, _OWN_ATTR = "_zero_offload_engine", "_zero_offload_own"
+
+
+# --------------------------------------------------------------------------- optimizer
+class OffloadedOptimizer(AcceleratedOptimizer):
+    """The engine as accelerate sees it: no state move to the device, no GradScaler patch
+    (the engine unscales, checks and skips inside its own step), and the engine's skip
+    reported to the Trainer / the scheduler. Also sums the engine's per-step timings for a
+    log window (`take_window`)."""
+
+    def __init__(self, engine):
+        # device_placement=False: accelerate round-trips the state dict through the device
+        # (state_dict -> .to(device) -> load_state_dict): that would copy the host fp32 master
+        # and both moments (12 B/param, 84 GB for 7B) to the GPU. scaler=None: the engine
+        # unscales and checks overflow itself.
+        super().__init__(engine, device_placement=False, scaler=None)
+        self._is_accelerate_prepared = True  # prepare() then registers it as is
+        self.window = dict.fromkeys(TIMINGS, 0.0)
+        self.counts = dict.fromkeys(TIMINGS, 0)
+        self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
+
+    @property
+    def step_was_skipped(self) -> bool:
+        # Read by the Trainer and AcceleratedScheduler: an fp16 overflow skips the LR step too.
+        return bool(self.optimizer.last_step_skipped)
+
+    def step(self, closure=None):
+        synced = self.gradient_state.sync_gradients
+        out = super().step(closure)
+        if synced:
+            for k in TIMINGS:
+                if not (k == "fwd_bwd" and self.first):
+                    self.window[k] += self.optimizer.timings.get(k, 0.0)
+                    self.counts[k] += 1
+            self.first = False
+        return out
+
+    def take_window(self) -> dict:
+        """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
+        time between two optimizer steps: forward, backward and the loop's own work."""
+        out = {f"{k}_ms": round(1e3 * v / max(self.counts[k], 1), 3)
+               for k, v in self.window.items()}
+        self.window = dict.fromkeys(TIMINGS, 0.0)
+        self.counts = dict.fromkeys(TIMINGS, 0)
+        return out
+
+
+# --------------------------------------------------------------------------- models
+def engine_params(engine) -> list[torch.nn.Parameter]:
+    """The params the engine trains, in group order."""
+    return [p for g in engine.param_groups for p in g["params"]]
+
+
+def trains(model: torch.nn.Module, engine) -> bool:
+    """Whether ``model`` holds at least one of the engine's params."""
+    ours = {id(p) for p in engine_params(engine)}
+    return any(id(p) in ours for p in model.parameters())
+
+
+def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """For each model holding some of the engine's params: cast its frozen float params to
+    the compute dtype, and land a pending delayed update before its weights are read.
+    Returns those models; the others (a teacher, a reference model) are not touched."""
+    dtype = engine.plugin.torch_dtype
+    trained = [m for m in models if trains(m, engine)]
+    for model in trained:
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        # With the delayed update the last step's params land only at the next step: whatever
+        # reads the model's weights (save_state, save_pretrained, get_state_dict, the
+        # Trainer's checkpoints) lands them first. state_dict covers every save path.
+        model.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
+    return trained
+
+
+# --------------------------------------------------------------------------- accelerator
+class ClipRoute:
+    """``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` once an engine is installed.
+
+    The engine's gradients were streamed to host buckets during backward (``param.grad`` is
+    None), so accelerate's ``torch.nn.utils.clip_grad_norm_`` would see none: over the
+    engine's params, the engine computes the global norm from its buckets (unscaled) and
+    applies the clip coefficient inside its next step. Other params go to the accelerator's
+    own methods. Part of the engine's params, or the engine's mixed with other params that
+    have gradients, raise; so does ``clip_grad_value_`` over the engine's params."""
+
+    def __init__(self, engine, clip_norm, clip_value):
+        self.engine = engine
+        self.ours = {id(p) for p in engine_params(engine)}
+        self.clip_norm, self.clip_value = clip_norm, clip_value  # the accelerator's own
+
+    def split(self, parameters) -> tuple[list, bool]:
+        """The params as a list, and whether they are the engine's (all of them)."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        mine = {id(p) for p in params} & self.ours
+        if mine and mine != self.ours:
+            raise ValueError(
+                "accelerator.clip_grad_norm_ got part of the ZeRO-Offload optimizer's "
+                "parameters: their gradients are in host buckets and are clipped together; "
+                "pass all of them (model.parameters()).")
+        others = [p for p in params if id(p) not in self.ours and p.grad is not None]
+        if mine and others:
+            raise ValueError("accelerator.clip_grad_norm_ mixes ZeRO-Offload parameters with "
+                             "others that have gradients; clip them in two calls.")
+        return params, bool(mine)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        params, offloaded = self.split(parameters)
+        if offloaded:
+            return self.engine.clip_grad_norm_(max_norm, norm_type)
+        return self.clip_norm(params, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        params, offloaded = self.split(parameters)
+        if offloaded:
+            raise NotImplementedError("clip_grad_value_ is not supported with ZeRO-Offload "
+                                      "(gradients live in host buckets); use clip_grad_norm_")
+        return self.clip_value(params, clip_value)
+
+
+def attached_engine(accelerator):
+    """The engine `install` put on this accelerator, or None."""
+    return getattr(accelerator, _ENGINE_ATTR, None)
+
+
+def install(accelerator, engine, *, replace: bool = False) -> None:
+    """The one place an accelerator is patched for ``engine``: this instance only, no class
+    is touched. One engine per accelerator: a second raises, unless ``replace`` (the Trainer
+    re-creating its optimizer for a re-initialised model), which first undoes the first.
+
+    fp16: ``accelerator.scaler`` becomes the engine's dynamic loss scaler, so
+    ``accelerator.backward`` scales the loss with it and ``save_state`` / the Trainer save it
+    as ``scaler.pt`` (``unscale_gradients`` is then a no-op: the engine unscales). Clipping:
+    ``clip_grad_norm_`` and ``clip_grad_value_`` become a `ClipRoute`'s."""
+    if attached_engine(accelerator) is None:
+        own = (accelerator.clip_grad_norm_, accelerator.clip_grad_value_, accelerator.scaler)
+        setattr(accelerator, _OWN_ATTR, own)
+    elif not replace:
+        raise ValueError("this Accelerator already has a ZeRO-Offload optimizer; one per "
+                         "Accelerator is supported")
+    clip_norm, clip_value, scaler = getattr(accelerator, _OWN_ATTR)
+    setattr(accelerator, _ENGINE_ATTR, engine)
+    accelerator.scaler = engine.loss_scaler if engine.loss_scaler.is_enabled() else scaler
+    route = ClipRoute(engine, clip_norm, clip_value)
+    accelerator.clip_grad_norm_ = route.clip_grad_norm_
+    accelerator.clip_grad_value_ = route.clip_grad_value_
