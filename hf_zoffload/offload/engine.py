@@ -16,6 +16,7 @@ second and later ones into an fp32 host buffer (docs/design.md, "Accumulation wi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 
@@ -24,7 +25,7 @@ from torch.autograd import Variable
 
 from ..config import ZeroOffloadPlugin
 from ..ops.cpu_adam import check_hyper
-from ..ops.scaling import unscale_check_
+from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
 from .collectives import resolve_group
@@ -110,8 +111,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                                           flat=self.exchange.initial_values(lay)))
                         for lay in layouts]
         self.exchange.attach(self.buckets, self._check)
-        self._where = {s.param: (b, i) for b in self.buckets
-                       for i, s in enumerate(b.layout.slots)}
+        self._where = {s.param: (b, i, s.offset, s.offset + s.numel, len(b.layout.slots))
+                       for b in self.buckets for i, s in enumerate(b.layout.slots)}
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
         self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
@@ -123,6 +124,10 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             backoff_factor=plugin.backoff_factor, growth_interval=plugin.growth_interval,
             hysteresis=plugin.hysteresis, min_scale=plugin.min_scale,
             enabled=plugin.compute_dtype == "fp16")
+        # On the CPU the host form of the check (bitwise the reference, fewer passes).
+        self._check_kernel = unscale_check_host_ if self.device.type == "cpu" and \
+            kernel_backend(self.device, plugin.kernels) == "torch" else \
+            functools.partial(unscale_check_, backend=plugin.kernels)
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._sumsq = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._ones = torch.ones(1, dtype=torch.float32, device=self.device)
@@ -148,7 +153,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def host_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """1-D views of the host state of ``param``'s elements this rank holds (all of them
         in one process): ``master``, ``exp_avg``, ``exp_avg_sq``."""
-        b, i = self._where[param]
+        b, i = self._where[param][:2]
         own, _ = b.layout.owned(b.layout.slots[i])
         s = b.state
         return {"master": s.master[own], "exp_avg": s.exp_avg[own],
@@ -156,9 +161,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- grad stream
     def _grad_hook(self, p: torch.Tensor) -> None:
+        # Runs once per param per backward on the autograd thread: kept to lookups and one
+        # copy (its place in the bucket is precomputed in self._where).
         if p.grad is None:
             return
-        b, i = self._where[p]
+        b, i, lo, hi, n_slots = self._where[p]
         w = b.window
         if not self._in_backward:
             self._in_backward = True
@@ -170,19 +177,18 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("backward after clip_grad_norm_() and before step(): "
                                    "clip only once the gradients of this step are complete")
             self.exchange.open(b)
-        s = b.layout.slots[i]
-        dst = w.pending[s.offset:s.offset + s.numel]
+        dst = w.pending[lo:hi]
         (dst.add_ if w.prefilled else dst.copy_)(p.grad.reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
         w.present[i] = True
         w.arrived += 1
-        if w.arrived == len(b.layout.slots):
+        if w.arrived == n_slots:
             self.exchange.flush(b)
 
     def _check(self, buf) -> None:
         inv = self.loss_scaler.inv_scale_tensor(self.device) if self.loss_scaler.is_enabled() \
             else self._ones
-        unscale_check_(buf, inv, self._found_inf, self._sumsq, backend=self.plugin.kernels)
+        self._check_kernel(buf, inv, self._found_inf, self._sumsq)
 
     def _end_backward(self) -> None:
         ended, self._in_backward = self._in_backward, False

@@ -131,17 +131,19 @@ def _check_real(name, x, *, low=None, high=None, high_open=False, where=""):
     return x
 
 
-def check_hyper(lr, betas, eps, weight_decay, *, where: str = "") -> tuple[float, ...]:
+def check_hyper(lr, betas, eps, weight_decay, *, where: str = "",
+                beta_names=("betas[0]", "betas[1]")) -> tuple[float, ...]:
     """The one validator of Adam's hyperparameters (the kernel, CPUAdam and the offload
     engine all call it): ``(lr, beta1, beta2, eps, weight_decay)`` as floats, or one
-    TypeError / ValueError naming the value and ``where`` it came from."""
+    TypeError / ValueError naming the value (the betas as ``beta_names``: the kernel takes
+    them as two arguments) and ``where`` it came from."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas{' of ' + where if where else ''} must be a pair "
                          f"(beta1, beta2), got {betas!r}")
     return (
         _check_real("lr", lr, low=0.0, where=where),
-        _check_real("betas[0]", betas[0], low=0.0, high=1.0, high_open=True, where=where),
-        _check_real("betas[1]", betas[1], low=0.0, high=1.0, high_open=True, where=where),
+        _check_real(beta_names[0], betas[0], low=0.0, high=1.0, high_open=True, where=where),
+        _check_real(beta_names[1], betas[1], low=0.0, high=1.0, high_open=True, where=where),
         _check_real("eps", eps, low=0.0, where=where),
         _check_real("weight_decay", weight_decay, low=0.0, where=where),
     )
@@ -191,7 +193,7 @@ def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, be
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
-    return (*check_hyper(lr, (beta1, beta2), eps, weight_decay),
+    return (*check_hyper(lr, (beta1, beta2), eps, weight_decay, beta_names=("beta1", "beta2")),
             _check_real("grad_scale", grad_scale))
 
 

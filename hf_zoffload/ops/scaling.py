@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["kernel_backend", "scale_loss", "unscale_check_", "unscale_check_reference"]
+__all__ = ["kernel_backend", "scale_loss", "unscale_check_", "unscale_check_host_",
+           "unscale_check_reference"]
 
 ENV_KERNELS = "HF_ZOFFLOAD_KERNELS"
 _BACKENDS = ("auto", "triton", "torch")
@@ -177,6 +178,33 @@ def unscale_check_reference(grad, inv_scale, found_inf, sumsq, *, out=None) -> N
     # Not torch.dot: its fp32 BLAS running sum was 2.3e-5 off at 1M terms of ~1, where
     # torch.sum's cascade summation was 2e-8 off (tests/ops/test_scaling.py data).
     sumsq.add_(torch.sum(v * v))
+
+
+def unscale_check_host_(grad, inv_scale, found_inf, sumsq, *, out=None) -> None:
+    """`unscale_check_reference` for CPU tensors, bit for bit, in fewer passes (with ``out``
+    it is the reference).
+
+    On the CPU reading a value is no sync, so it branches on one: an inf or nan in the
+    unscaled grad makes the sum of squares inf or nan, so a finite sum proves every element
+    finite and the separate isfinite pass is skipped (run only when the sum is not finite,
+    where squares of finite values may also have overflowed: the flag then follows the
+    reference exactly). An fp32 grad with a scale of 1 is squared as it is, since x * 1.0 is
+    x. On the quickstart model's 52 params this cut the check from 5.0 to 1.5 ms a step
+    (2-vCPU AMD EPYC; scripts/bench_trainer.py)."""
+    if grad.device.type != "cpu":
+        raise ValueError(f"unscale_check_host_ takes CPU tensors, got {grad.device}")
+    if out is not None:
+        unscale_check_reference(grad, inv_scale, found_inf, sumsq, out=out)
+        return
+    _check_args(grad, inv_scale, found_inf, sumsq, None)
+    if grad.dtype == torch.float32 and inv_scale.item() == 1.0:
+        v = grad
+    else:
+        v = grad.float() * inv_scale
+    total = torch.sum(v * v)
+    if not torch.isfinite(total).item():
+        found_inf.masked_fill_(~torch.isfinite(v).all(), 1.0)
+    sumsq.add_(total)
 
 
 def unscale_check_(grad, inv_scale, found_inf, sumsq, *, out=None, backend=None) -> None:

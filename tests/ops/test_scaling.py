@@ -188,6 +188,34 @@ def test_bad_arguments_raise(backend, bad):
                          out=args["out"], backend=backend)
 
 
+@pytest.mark.parametrize("inv", [1.0, 2.0**-10, 3.0])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n", [*SMALL, 3 * 8192 + 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_path_is_the_reference_bit_for_bit(dtype, n, case, inv):
+    grad, _ = make_grad(case, n, dtype)
+    inv = torch.tensor([inv])
+    for special in (None, float("inf"), float("nan"), float("-inf")):
+        if special is not None:
+            grad[n // 2] = special
+        f, s, _ = run(S.unscale_check_host_, grad, inv, with_out=False, found=0.0, sumsq=0.5)
+        rf, rs, _ = run(S.unscale_check_reference, grad, inv, with_out=False, found=0.0,
+                        sumsq=0.5)
+        assert f.item() == rf.item() == float(special is not None)
+        assert torch.equal(s, rs) or (s.isnan().all() and rs.isnan().all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_path_finite_squares_overflowing(dtype):
+    # finite values whose squares overflow fp32: the sum is inf, the flag stays clear
+    grad = torch.full((9,), 3e19).to(dtype) if dtype == torch.float32 else \
+        torch.full((9,), 60000.0).to(dtype)
+    inv = torch.tensor([1e15 if dtype != torch.float32 else 1.0])
+    f, s, _ = run(S.unscale_check_host_, grad, inv, with_out=False)
+    rf, rs, _ = run(S.unscale_check_reference, grad, inv, with_out=False)
+    assert f.item() == rf.item() == 0.0 and s.item() == rs.item() == math.inf
+
+
 # --------------------------------------------------------------------- dispatch
 def test_backend_auto_by_device(monkeypatch):
     monkeypatch.delenv(S.ENV_KERNELS, raising=False)
