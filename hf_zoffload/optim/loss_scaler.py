@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from hf_zoffload.ops.scaling import scale_loss, unscale_check_
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DynamicLossScaler"]
@@ -213,7 +215,6 @@ class DynamicLossScaler:
         """Multiply a tensor (or nested list/tuple of tensors) by the scale, no host sync."""
         if not self._enabled:
             return outputs
-        from hf_zoffload.ops.scaling import scale_loss
 
         if isinstance(outputs, torch.Tensor):
             return scale_loss(outputs, self.scale_tensor(outputs.device))
@@ -240,7 +241,6 @@ class DynamicLossScaler:
                                "since the last update().")
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        from hf_zoffload.ops.scaling import unscale_check_
 
         found, sums = {}, {}
         for group in optimizer.param_groups:
