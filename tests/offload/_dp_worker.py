@@ -3,6 +3,7 @@ processes re-import them by name), plus `spawn` to run one on N gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -119,6 +120,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
                   "sched": sched.state_dict()}  # opt.state_dict(): every rank calls it
             if rank == 0:
                 torch.save(sd, save)
+    _synchronize(opt)
     return {"losses": losses, "norms": norms,
             "params": [p.detach().clone() for p in model.parameters()],
             "memory": opt.memory_report(), "no_sync_bytes": no_sync_bytes,
@@ -152,8 +154,49 @@ def overflow(rank: int, world: int) -> dict:
         opt.backward(model(data[step][rank * k:(rank + 1) * k], extra_rows=0, extra_weight=0))
         opt.step()
         skipped.append(opt.last_step_skipped)
+    _synchronize(opt)
     return {"skipped": skipped, "scale": opt.loss_scaler.loss_scale, "start": start,
             "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _synchronize(opt) -> None:
+    """Before params are read: the copies of an emulated device are done (a no-op with the
+    engine's own copiers; tests/offload/_async_copier.py)."""
+    sync = getattr(opt.copier, "synchronize", None)
+    if sync is not None:
+        sync()
+
+
+def with_copier(rank: int, world: int, *, job: tuple[str, dict], copier: dict | None = None):
+    """Run ``job`` (name, kwargs) with the engine's own copier, or with ``copier`` given
+    (`_async_copier.installed` options: seed, cuda_path, ...) through `AsyncCopier`: copies
+    on a worker thread with random delays, so a missing wait changes the result. Adds the
+    host state of the engine the job built, once a pending delayed update has landed."""
+    global build
+    built, plain_build = [], build
+
+    def recording_build(**kwargs):
+        built.append(plain_build(**kwargs))
+        return built[-1]
+
+    with contextlib.ExitStack() as stack:
+        if copier is not None:
+            from tests.offload._async_copier import installed
+            made = stack.enter_context(installed(**copier))
+        build = recording_build
+        try:
+            result = globals()[job[0]](rank, world, **job[1])
+        finally:
+            build = plain_build
+        (_, opt), = built
+        opt.flush()  # a collective: every rank runs the same jobs
+        _synchronize(opt)
+        result["host"] = [t.clone() for b in opt.buckets
+                          for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
+        result["copier"] = type(opt.copier).__name__
+        if copier is not None:
+            result["copier_jobs"] = sum(c.counts["jobs"] for c in made)
+    return result
 
 
 def runs(rank: int, world: int, *, jobs: list[tuple[str, dict]]) -> list[dict]:

@@ -1,0 +1,170 @@
+"""The engine's copy ordering, checked on the CPU: every run through `AsyncCopier` (copies on a
+worker thread with random delays, tests/offload/_async_copier.py) must be bitwise the run
+through the default `HostCopier` (copies at once). A missing `wait_landed` / `wait_uploaded` /
+forward wait reads stale or half-written buffers there and the results part.
+
+The async runs also take CUDA's data path (`installed(cuda_path=True)`): the CPU-Adam writes
+the 16-bit staging buffer and `to_params` / `to_flat` upload it, where the CPU engine would
+write the params in place. The reference is the engine as it runs on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from tests.offload import _dp_worker as w
+from tests.offload._async_copier import AsyncCopier, installed, synchronize
+
+BUCKET_MB = 0.004  # ~2k elements: 6 buckets on the worker's model, some params split
+
+
+def _host(opt):
+    return [t.clone() for b in opt.buckets
+            for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
+
+
+def _train(*, seed=None, steps, accum=1, poison=(), **plugin):
+    """``steps`` steps of ``accum`` micro-steps on the worker's model (a frozen layer, a
+    head that gets a grad on even steps only), clipped; ``poison``: (step, micro) pairs
+    whose grads get an inf. A snapshot after every step: losses, params, grad norm,
+    skipped, loss scale, and the host state unless a delayed update is still running."""
+    data = w.batches(steps * accum)
+    with installed(seed) if seed is not None else contextlib.nullcontext([]) as made:
+        model, opt = w.build(bucket_size_mb=BUCKET_MB, **plugin)
+        assert len(opt.buckets) >= 5
+        inf = {"on": False}
+        model.up.weight.register_hook(
+            lambda g: g.index_fill(0, torch.tensor([3]), float("inf")) if inf["on"] else g)
+        trace = []
+        for step in range(steps):
+            losses = []
+            for micro in range(accum):
+                inf["on"] = (step, micro) in poison
+                loss = model(data[step * accum + micro], extra_rows=2 * (step % 2 == 0),
+                             extra_weight=1.0)
+                opt.backward(loss / accum)
+                losses.append(loss.item())
+            opt.clip_grad_norm_(w.MAX_NORM)
+            opt.step()
+            opt.zero_grad()  # what loops do next: must not wait for a delayed update
+            synchronize(opt)
+            trace.append({"losses": losses, "norm": opt.grad_norm,
+                          "skipped": opt.last_step_skipped, "scale": opt.loss_scaler.loss_scale,
+                          "params": [p.detach().clone() for p in model.parameters()],
+                          "host": None if opt.update_in_flight else _host(opt)})
+        opt.flush()
+        synchronize(opt)
+        trace.append({"params": [p.detach().clone() for p in model.parameters()],
+                      "host": _host(opt)})
+        counts = dict(made[0].counts) if made else {}
+    return trace, counts
+
+
+def _same(a, b, where="") -> None:
+    """Bitwise: tensors with torch.equal, floats with == (nan equal to nan)."""
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _compare(seed, **run):
+    ref, _ = _train(**run)
+    got, counts = _train(seed=seed, **run)
+    _same(got, ref, "step")
+    # the copies really went through the worker, uploads included
+    assert counts["to_host"] > 0 and counts["to_params"] > 0 and counts["chunked"] > 0, counts
+    return ref
+
+
+# ------------------------------------------------------------------ the copier itself
+def test_copier_reads_stale_without_a_wait_and_relays_errors():
+    c = AsyncCopier(seed=0)
+    try:
+        dst, src = torch.zeros(8), torch.arange(8.0)
+        with c.hold():  # the worker starts nothing: a read now is a read without a wait
+            c.to_host(0, dst, src)
+            assert torch.equal(dst, torch.zeros(8))
+            buf = c.twin(8, torch.float32, lambda: dst, zero=False)
+            assert buf is not dst and buf.isnan().all()
+        c.wait_landed(0)
+        assert torch.equal(dst, src)
+        up = torch.zeros(4)
+        c.to_flat(1, up, torch.ones(4))
+        c.finish_uploads()  # lazy: the compute stream waits at the next forward
+        c.compute_wait()
+        assert torch.equal(up, torch.ones(4))
+        c.to_host(2, torch.zeros(3), torch.ones(5))  # fails on the worker
+        with pytest.raises(RuntimeError, match="worker thread failed") as err:
+            c.wait_landed(2)
+        assert isinstance(err.value.__cause__, RuntimeError)
+        with pytest.raises(RuntimeError, match="worker thread failed"):
+            c.to_host(3, dst, src)  # sticky, as a CUDA error
+    finally:
+        with contextlib.suppress(RuntimeError):
+            c.close()
+    assert not c._thread.is_alive()
+
+
+# --------------------------------------------------- the engine, one process
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_one_process_bitwise_through_async_copier(dtype):
+    _compare(1, steps=4, compute_dtype=dtype)
+
+
+def test_accumulation_bitwise_through_async_copier():
+    _compare(2, steps=3, accum=3, compute_dtype="bf16")
+
+
+def test_fp16_overflow_bitwise_through_async_copier():
+    ref = _compare(3, steps=4, accum=2, poison={(1, 1)}, compute_dtype="fp16",
+                   init_scale=2.0**10, hysteresis=1)
+    assert [s["skipped"] for s in ref[:-1]] == [False, True, False, False]
+
+
+def test_delayed_update_bitwise_through_async_copier():
+    ref = _compare(4, steps=5, accum=2, compute_dtype="bf16", delayed_update=True,
+                   delayed_update_warmup_steps=1)
+    assert [s["host"] is None for s in ref[:-1]] == [False] + [True] * 4  # it overlapped
+
+
+# ------------------------------------------------------------ 2 gloo ranks
+@pytest.mark.slow
+def test_two_ranks_bitwise_through_async_copier(tmp_path):
+    """Accumulation with all three boundary styles (no_sync, every micro-step, step()
+    reduces), clipping, a param with a grad on one rank only, the delayed update, and an
+    fp16 overflow on one rank: each run once per copier, in one spawn."""
+    runs = {"bf16": ("train", {"stop": 5, "plugin": {"compute_dtype": "bf16",
+                                                     "bucket_size_mb": BUCKET_MB}}),
+            "dpu": ("train", {"stop": 5, "plugin": {
+                "compute_dtype": "bf16", "bucket_size_mb": BUCKET_MB, "delayed_update": True,
+                "delayed_update_warmup_steps": 1}}),
+            "overflow": ("overflow", {})}
+    jobs = [("with_copier", {"job": job, "copier": copier})
+            for job in runs.values() for copier in (None, {"seed": 5})]
+    codes, _, res, errs = w.spawn("runs", str(tmp_path), jobs=jobs, wait_s=180.0)
+    assert codes == [0, 0], "\n".join(errs)
+    for rank in res:
+        for i, name in enumerate(runs):
+            ref, got = rank[2 * i], rank[2 * i + 1]
+            assert (ref["copier"], got["copier"]) == ("HostCopier", "AsyncCopier")
+            assert got["copier_jobs"] > 0
+            for key in ("losses", "norms", "params", "host", "skipped", "scale"):
+                if key in ref:
+                    _same(got[key], ref[key], f"{name}.{key}")
+    assert res[0][5]["skipped"] == [False, False, True, False]
+    for a, b in zip(res[0][1]["params"], res[1][1]["params"]):
+        assert torch.equal(a, b)
