@@ -61,7 +61,8 @@ class ZeroOffloadPlugin:
         40, "optimizer steps taken without delay before the delayed update starts.", minimum=0
     )
     cpu_threads: int = _knob(
-        0, "threads for the CPU-Adam; 0 uses torch.get_num_threads().", minimum=0
+        0, "threads for the CPU-Adam; 0 uses the cores this process may run on divided by "
+        "the processes on this node (LOCAL_WORLD_SIZE).", minimum=0
     )
     max_grad_norm: float = _knob(
         0.0, "clip the global gradient norm to this value; 0 disables clipping.", minimum=0.0

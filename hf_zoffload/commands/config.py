@@ -163,7 +163,8 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
     if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the next "
            "forward/backward, on parameters one step stale)?"):
         ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
-    ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: torch.get_num_threads())?")
+    ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
+                       "processes per node)?")
     if ask.answers["compute_dtype"] == "fp16" and _ask_field(
         "Do you want to customize the fp16 dynamic loss scaler? [yes/NO]: ", _yes, default=False
     ):

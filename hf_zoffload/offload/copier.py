@@ -114,7 +114,9 @@ class CudaCopier:
             yield
 
     def _record(self, events: dict, key: int) -> None:
-        ev = torch.cuda.Event()
+        # The host waits on these (wait_landed, wait_uploaded): a blocking event sleeps in
+        # the driver instead of spinning a core that the CPU-Adam needs.
+        ev = torch.cuda.Event(blocking=True)
         ev.record(self.stream)
         events[key] = ev
 

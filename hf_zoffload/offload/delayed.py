@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 
 class DelayedUpdate:
     def __init__(self):
@@ -22,12 +24,17 @@ class DelayedUpdate:
     def running(self) -> bool:
         return self._thread is not None
 
-    def start(self, fn) -> None:
+    def start(self, fn, *, device: torch.device) -> None:
+        """Run ``fn`` on a new thread. With params on CUDA the thread first makes their
+        device current: its waits on CUDA events would otherwise create a context on GPU 0
+        in every process of a multi-GPU launch (each new thread starts on device 0)."""
         if self._thread is not None:
             raise RuntimeError("internal: a delayed update started before the last one ended")
 
         def run():
             try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
                 fn()
             except BaseException as exc:  # re-raised on the caller's thread in wait()
                 self._error = exc

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import time
 
@@ -36,7 +37,9 @@ from .layout import build_layouts, collect_slots
 from .memory import engine_report
 from .partitioned import PartitionedExchange
 from .state import Bucket, place
-from .update import Work, plan, run
+from .update import Work, cpu_threads, plan, run
+
+logger = logging.getLogger(__name__)
 
 
 def make_exchange(process_group, *, device, copier, dtype, engine_sync):
@@ -93,7 +96,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
-        self._threads = plugin.cpu_threads or torch.get_num_threads()
+        self.cpu_threads = cpu_threads(plugin.cpu_threads)
+        (logger.warning if self.cpu_threads == 1 else logger.info)(
+            "ZeRO-Offload: the CPU-Adam runs on %d thread(s)%s", self.cpu_threads,
+            "" if self.cpu_threads > 1 else
+            " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
         slots = collect_slots(self.param_groups)
         self.device = slots[0].param.device
         self.dtype = plugin.torch_dtype
@@ -141,6 +148,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.timings = {"fwd_bwd": 0.0, "d2h": 0.0, "cpu_adam": 0.0, "h2d": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
+        self._note_written()
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook)
                        for s in slots]
 
@@ -168,6 +176,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         b, i, lo, hi, n_slots = self._where[p]
         w = b.window
         if not self._in_backward:
+            self._check_placement()
             self._in_backward = True
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end.
@@ -241,12 +250,61 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._clip = float(max_norm)
         return torch.tensor(self._finalize()[1])
 
+    # ------------------------------------------------- the params as the model has them
+    def _slots(self):
+        return (s for b in self.buckets for s in b.layout.slots)
+
+    def _check_placement(self) -> None:
+        """Params moved or recast after the engine was built (``model.cuda()`` or
+        ``model.half()`` after creating the optimizer, the Trainer with
+        ``place_model_on_device=False``) would be written through the wrong kind of pointer:
+        a host kernel into device memory. Refuse before any work."""
+        for s in self._slots():
+            p = s.param
+            if p.device != self.device or p.dtype != self.dtype:
+                raise RuntimeError(
+                    f"param {s.index} is now {p.dtype} on {p.device}, but the ZeRO-Offload "
+                    f"optimizer was built for {self.dtype} params on {self.device}: build the "
+                    "optimizer after moving the model to its device (and let the optimizer "
+                    "cast it to the compute dtype)")
+
+    def _note_written(self) -> None:
+        """Remember each param's version counter and storage after the engine wrote it."""
+        self._written = {s.index: (s.param._version, s.param.data_ptr()) for s in self._slots()}
+
+    def _adopt_param_edits(self) -> None:
+        """Weights put into the params from outside since the engine last wrote them
+        (``model.load_state_dict``, ``param.copy_``, a new ``param.data``) become the master
+        weights of those params; the moments and step counts stay, as a torch optimizer's
+        do. Without this the next upload would bring the stale masters back. An in-place
+        edit through ``param.data`` bumps no version counter and is not seen."""
+        edited = {s.index for s in self._slots()
+                  if (s.param._version, s.param.data_ptr()) != self._written[s.index]}
+        if not edited:
+            return
+        if self.update_in_flight:
+            raise RuntimeError(
+                f"{len(edited)} param(s) were changed from outside while a delayed update was "
+                "in flight; it would overwrite them. Call optimizer.flush() before loading "
+                "weights into the model")
+        for b in self.buckets:
+            for s in b.layout.slots:
+                if s.index in edited:
+                    own, mine = b.layout.owned(s)
+                    new = s.param.detach().reshape(-1)[mine]
+                    b.state.master[own].copy_(new)
+                    if b.state.staging is not None:
+                        b.state.staging[own].copy_(new)
+        self._note_written()
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_placement()
+        self._adopt_param_edits()
         t_start = time.perf_counter()
         if self._t_step_end is not None:
             self.timings["fwd_bwd"] = t_start - self._t_step_end
@@ -275,14 +333,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             else:
                 self._run(work, upload=True)
                 self.timings["h2d"] = self.copier.finish_uploads()
+                self._note_written()
         self._reset_window()
         self._t_step_end = time.perf_counter()
         return loss
 
     def _run(self, work: list[Work], *, upload: bool) -> None:
-        # self._threads was resolved at construction, on the caller's thread: a call to
-        # torch.get_num_threads() here would read the delayed update's thread's own setting.
-        self.timings["cpu_adam"] = run(work, copier=self.copier, threads=self._threads,
+        self.timings["cpu_adam"] = run(work, copier=self.copier, threads=self.cpu_threads,
                                        publish=self.exchange.publish if upload else None)
         if upload:
             self.exchange.finish_publish()
@@ -292,7 +349,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         # new ones: the hooks get the other set of grad buffers.
         for item in work:
             item.bucket.state.swap_grads(pin=self.copier.pinned)
-        self._delayed.start(lambda: self._run(work, upload=False))
+        self._delayed.start(lambda: self._run(work, upload=False), device=self.device)
         self._uploads_pending = True
 
     def _drain(self) -> None:
@@ -306,6 +363,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self.exchange.publish(b)
             self.exchange.finish_publish()
             self.timings["h2d"] = self.copier.finish_uploads()
+            self._note_written()
 
     def _reset_window(self) -> None:
         for b in self.buckets:
@@ -378,3 +436,4 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._drain()
         self._consolidated = None
         checkpoint.load_state_dict(self, state_dict)
+        self._note_written()

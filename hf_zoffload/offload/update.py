@@ -7,6 +7,8 @@ reads nothing that the next step could change (the plan holds its own copy).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import NamedTuple
 
@@ -14,6 +16,26 @@ import torch
 
 from ..ops.cpu_adam import adam_update_unchecked
 from .state import Bucket
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_threads(explicit: int = 0, *, environ=None) -> int:
+    """The CPU-Adam's thread count: ``explicit`` when > 0, else the cores this process may
+    run on (its affinity mask) divided by the processes on this node (``LOCAL_WORLD_SIZE``,
+    set by torchrun and accelerate launch), at least 1. Not ``torch.get_num_threads()``:
+    ``accelerate launch`` exports OMP_NUM_THREADS=1 even for one GPU process (torchrun for
+    several), which would run the memory-bound update on one core."""
+    if explicit:
+        return explicit
+    environ = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    try:
+        local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
 
 
 class Run(NamedTuple):

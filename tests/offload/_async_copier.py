@@ -113,8 +113,12 @@ class AsyncCopier:
         for i, (a, z) in enumerate(zip(cuts, cuts[1:])):
             if i:
                 time.sleep(self._rng.uniform(0.0, self.chunk_delay_s))
-            # src holds bucket elements [start, start + n): this piece starts at start + a
-            layout.copy_to_params(src[a:z], layout.start + a)
+            # src holds bucket elements [start, start + n): this piece starts at start + a.
+            # Through `.data`, which shares no version counter: the counter was bumped when
+            # the copy was queued (to_params), as a CUDA copy_ bumps it at launch.
+            for slot, i, j in layout.pieces(layout.start + a, layout.start + z):
+                o = slot.offset + i - layout.start - a
+                slot.param.data.view(-1)[i:j].copy_(src[a:z][o:o + j - i])
 
     # ---------------------------------------------------------- the plumbing
     def _raise(self) -> None:
@@ -172,6 +176,8 @@ class AsyncCopier:
         self._raise()
 
     def to_params(self, key: int, layout, src: torch.Tensor) -> None:
+        for slot, _, _ in layout.pieces(layout.start, layout.start + src.numel()):
+            torch.autograd.graph.increment_version(slot.param)  # at launch, as on CUDA
         seq = self._enqueue("to_params", lambda: self._copy_to_params(layout, src))
         with self._cv:
             self._uploaded[key] = seq

@@ -1,0 +1,161 @@
+"""What changes under the engine's feet: params moved, recast or reloaded after it was built;
+the CPU-Adam's thread count under launchers; the delayed update's CUDA device; blocking
+events. The CUDA-only halves carry the `gpu` marker (scripts/gpu_check.sh)."""
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload import delayed as delayed_mod
+from hf_zoffload.offload.update import cpu_threads
+from tests._tiny import batches, tiny_gpt2
+
+LR = 1e-3
+
+
+def _engine(model, **plugin):
+    return ZeroOffloadOptimizer(model.parameters(), lr=LR, weight_decay=0.0,
+                                plugin=ZeroOffloadPlugin(**{"compute_dtype": "bf16", **plugin}))
+
+
+def _train(model, opt, steps, start=0):
+    data = batches(steps + start)
+    for ids in data[start:start + steps]:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ----------------------------------------------------------- moved or recast afterwards
+def test_recast_params_raise_at_the_first_hook():
+    model = tiny_gpt2()
+    opt = _engine(model)
+    _train(model, opt, 1)
+    model.half()  # after the optimizer: the kernel would write bf16 bits into fp16 storage
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_moved_params_raise_at_step_before_any_change():
+    model = tiny_gpt2()
+    opt = _engine(model)
+    _train(model, opt, 1)
+    masters = [b.state.master.clone() for b in opt.buckets]
+    for p in model.parameters():  # the same Parameter on another device, as model.cuda()
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to("meta")))  # leaves it
+    with pytest.raises(RuntimeError, match=r"now torch.bfloat16 on meta.*built for "
+                                           r"torch.bfloat16 params on cpu"):
+        opt.step()
+    assert all(torch.equal(a, b.state.master) for a, b in zip(masters, opt.buckets))
+
+
+# ------------------------------------------------------------ weights loaded afterwards
+@pytest.mark.parametrize("delayed", [False, True])
+def test_weights_loaded_after_the_engine_become_the_masters(delayed):
+    """lr = 0 and no decay: a step changes no master, so after loading W and stepping the
+    params must be W; stale masters would bring the old weights back."""
+    model = tiny_gpt2()
+    opt = ZeroOffloadOptimizer(model.parameters(), lr=0.0, weight_decay=0.0,
+                               plugin=ZeroOffloadPlugin(compute_dtype="bf16",
+                                                        delayed_update=delayed,
+                                                        delayed_update_warmup_steps=0))
+    _train(model, opt, 2)
+    other = tiny_gpt2(seed=5).to(torch.bfloat16).state_dict()
+    if delayed:  # the pending update would overwrite them: refused with what to do
+        model.load_state_dict(other)
+        with pytest.raises(RuntimeError, match=r"Call optimizer.flush\(\) before loading"):
+            _train(model, opt, 1, start=2)
+        opt.zero_grad()
+        opt.flush()
+    model.load_state_dict(other)
+    _train(model, opt, 2, start=3)
+    opt.flush()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), other[name]), name
+        assert torch.equal(opt.host_views(p)["master"], other[name].float().reshape(-1)), name
+
+
+def test_loaded_weights_keep_training_from_there():
+    model = tiny_gpt2()
+    opt = _engine(model)
+    _train(model, opt, 2)
+    old = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    loaded = tiny_gpt2(seed=5).to(torch.bfloat16).state_dict()
+    model.load_state_dict(loaded)
+    _train(model, opt, 1, start=2)
+    for n, p in model.named_parameters():  # one lr-sized step from W, far from the old weights
+        if p.ndim < 2:  # biases and norms start equal in both models
+            continue
+        near, far = (p.detach().float() - loaded[n].float()).norm(), \
+            (p.detach().float() - old[n]).norm()
+        assert near < 0.1 * far, n
+
+
+# ----------------------------------------------------------------------- thread count
+def test_thread_count_follows_affinity_and_local_world(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what accelerate launch exports
+    assert cpu_threads(0, environ={}) == 16
+    assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}) == 4
+    assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "32"}) == 1
+    assert cpu_threads(3, environ={"LOCAL_WORLD_SIZE": "4"}) == 3  # explicit wins
+
+
+def test_engine_exposes_and_logs_its_threads(monkeypatch, caplog):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    torch.set_num_threads(torch.get_num_threads())
+    with caplog.at_level(logging.INFO, logger="hf_zoffload.offload.engine"):
+        opt = _engine(tiny_gpt2())
+    assert opt.cpu_threads == 1
+    assert any(r.levelno == logging.WARNING and "1 thread" in r.getMessage()
+               for r in caplog.records)
+    assert _engine(tiny_gpt2(), cpu_threads=2).cpu_threads == 2
+
+
+# ------------------------------------------------------------ the delayed update's device
+def test_delayed_thread_sets_the_params_cuda_device(monkeypatch):
+    """No GPU here: torch.cuda.set_device is replaced by a recorder. The thread must call it
+    with the params' device before anything else, and never for CPU params."""
+    calls = []
+    monkeypatch.setattr(delayed_mod.torch.cuda, "set_device",
+                        lambda d: calls.append((threading.current_thread().name, d)))
+    d = delayed_mod.DelayedUpdate()
+    seen = []
+    d.start(lambda: seen.append(len(calls)), device=torch.device("cuda", 3))
+    d.wait()
+    assert calls == [("zoffload-cpu-adam", torch.device("cuda", 3))] and seen == [1]
+    d.start(lambda: None, device=torch.device("cpu"))
+    d.wait()
+    assert len(calls) == 1
+
+
+def test_delayed_thread_error_is_raised_on_the_caller():
+    d = delayed_mod.DelayedUpdate()
+    d.start(lambda: 1 / 0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="delayed CPU-Adam update failed") as info:
+        d.wait()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert not d.running
+
+
+@pytest.mark.gpu
+def test_cuda_host_waits_use_blocking_events(monkeypatch):
+    made = []
+    real = torch.cuda.Event
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("blocking", False))
+        return real(*args, **kwargs)
+
+    model = tiny_gpt2().cuda()
+    opt = _engine(model)
+    monkeypatch.setattr(torch.cuda, "Event", recording)
+    ids = batches(1)[0].cuda()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert made and all(made)
