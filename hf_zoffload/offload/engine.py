@@ -37,6 +37,7 @@ from .layout import build_layouts, collect_slots
 from .memory import engine_report
 from .partitioned import PartitionedExchange
 from .state import Bucket, place
+from .support import enclosing_backward_node
 from .update import Work, cpu_threads, plan, run
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self._in_backward = True
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end.
-            Variable._execution_engine.queue_callback(self._end_backward)
+            self._queue_end()
         if w.pending is None:
             if self._final is not None:
                 raise RuntimeError("backward after clip_grad_norm_() and before step(): "
@@ -193,6 +194,21 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         w.arrived += 1
         if w.arrived == n_slots:
             self.exchange.flush(b)
+
+    def _queue_end(self, *_hook_args) -> None:
+        """Run `_end_backward` once, when the outermost backward ends. A grad hook inside
+        reentrant activation checkpointing runs in a nested backward (one per checkpointed
+        block, started by the block's autograd Function); a callback queued there fires at
+        the end of that block, and partial buckets would be flushed once per block (a second
+        landing: the fp32 accumulation path, and with N ranks a reduce-scatter of every
+        bucket per block). So the callback is queued only where no Function's backward is
+        running; else a post hook on that Function's node (it runs in the enclosing
+        backward, once the node is done) tries again from there."""
+        node = enclosing_backward_node()
+        if node is None:
+            Variable._execution_engine.queue_callback(self._end_backward)
+        else:
+            node.register_hook(self._queue_end)
 
     def _check(self, buf) -> None:
         inv = self.loss_scaler.inv_scale_tensor(self.device) if self.loss_scaler.is_enabled() \

@@ -199,6 +199,41 @@ def with_copier(rank: int, world: int, *, job: tuple[str, dict], copier: dict | 
     return result
 
 
+def checkpointed(rank: int, world: int, *, reentrant: bool, steps: int = 3) -> dict:
+    """Every trainable param inside activation-checkpointed blocks (two per forward), as in
+    LoRA fine-tuning with frozen embeddings and head: with ``reentrant`` each block's grads
+    come from a nested backward. Returns the params, the bytes handed to collectives and the
+    end-of-backward calls per backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, opt = build(bucket_size_mb=0.002, compute_dtype="fp32")
+    for m in (model.emb, model.norm, model.head, model.extra):
+        m.requires_grad_(False)
+    calls, end, in_backward = [], opt._end_backward, []
+    opt._end_backward = lambda: (calls.append(bool(in_backward)), end())[1]
+    data, k = batches(steps), ROWS // world
+    for ids in data:
+        in_backward.append(1)
+        ids = ids[rank * k:(rank + 1) * k]
+        # frozen layers below: the input must require grad for the reentrant form to build a
+        # graph (what transformers' enable_input_require_grads does)
+        h = model.norm(model.emb(ids)).requires_grad_(True)
+        up = checkpoint(lambda x: torch.nn.functional.gelu(model.up(x)), h,
+                        use_reentrant=reentrant)
+        h = h + checkpoint(lambda x: model.down(torch.tanh(model.frozen(x))), up,
+                           use_reentrant=reentrant)
+        logits = model.head(h[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                          ids[:, 1:].reshape(-1)).backward()
+        in_backward.clear()  # step() ends the window with a call of its own
+        landed = [b.window.landed for b in opt.buckets]
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "sent": dict(opt.exchange.sent) if opt.exchange.world > 1 else {},
+            "calls_per_backward": sum(calls) / steps, "max_landed": max(landed)}
+
+
 def runs(rank: int, world: int, *, jobs: list[tuple[str, dict]]) -> list[dict]:
     """Several runs in one spawn: starting processes costs more than a tiny run."""
     return [globals()[name](rank, world, **kwargs) for name, kwargs in jobs]
