@@ -28,7 +28,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "engine_params", "trains",
            "prepare_models", "install", "attached_engine"]
 
-TIMINGS = ("fwd_bwd", "d2h", "cpu_adam", "h2d")
+# The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
+# the copy times exist on CUDA only and are logged only where they were reported.
+TIMINGS = ("fwd_bwd", "grad_wait", "cpu_adam", "upload_host", "d2h_copy", "h2d_copy")
 # On the accelerator instance: the engine installed, and what `install` replaced.
 _ENGINE_ATTR, _OWN_ATTR = "_zero_offload_engine", "_zero_offload_own"
 
@@ -50,6 +52,7 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
+        self.seen: set[str] = set()  # timings the engine reports (copy times: CUDA only)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -61,9 +64,11 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         out = super().step(closure)
         if synced:
             for k in TIMINGS:
-                if not (k == "fwd_bwd" and self.first):
-                    self.window[k] += self.optimizer.timings.get(k, 0.0)
-                    self.counts[k] += 1
+                if k in self.optimizer.timings:
+                    self.seen.add(k)
+                    if not (k == "fwd_bwd" and self.first):
+                        self.window[k] += self.optimizer.timings[k]
+                        self.counts[k] += 1
             self.first = False
         return out
 
@@ -71,7 +76,7 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
         time between two optimizer steps: forward, backward and the loop's own work."""
         out = {f"{k}_ms": round(1e3 * v / max(self.counts[k], 1), 3)
-               for k, v in self.window.items()}
+               for k, v in self.window.items() if k in self.seen}
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         return out

@@ -77,6 +77,9 @@ class HostCopier:
     def finish_uploads(self) -> float:
         return 0.0
 
+    def device_times(self) -> dict[str, float]:
+        return {}  # no device: the copies are host work, timed by the engine
+
 
 class CudaCopier:
     """Params on a CUDA device; every copy runs on one side stream."""
@@ -87,6 +90,7 @@ class CudaCopier:
         self.stream = torch.cuda.Stream(device=device)
         self._landed: dict[int, torch.cuda.Event] = {}
         self._uploaded: dict[int, torch.cuda.Event] = {}
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
         """A fresh device buffer from the caching allocator (``host`` is not called: the
@@ -113,19 +117,40 @@ class CudaCopier:
         with torch.cuda.stream(self.stream):
             yield
 
-    def _record(self, events: dict, key: int) -> None:
+    def _start(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def _record(self, events: dict, key: int, kind: str, start: torch.cuda.Event) -> None:
         # The host waits on these (wait_landed, wait_uploaded): a blocking event sleeps in
-        # the driver instead of spinning a core that the CPU-Adam needs.
-        ev = torch.cuda.Event(blocking=True)
+        # the driver instead of spinning a core that the CPU-Adam needs. Timed, so that the
+        # copy's duration on the device can be read later (device_times).
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)
         ev.record(self.stream)
         events[key] = ev
+        self._timed.append((kind, start, ev))
+
+    def device_times(self) -> dict[str, float]:
+        """Seconds the side stream spent copying, by direction ("d2h_copy", "h2d_copy"),
+        over the copies finished since the last call; copies still running are counted at
+        a later call. Reads only finished events: no sync."""
+        out, keep = {}, []
+        for kind, a, z in self._timed:
+            if z.query():
+                out[kind] = out.get(kind, 0.0) + a.elapsed_time(z) / 1e3
+            else:
+                keep.append((kind, a, z))
+        self._timed = keep
+        return out
 
     def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
         """Device ``src`` -> host ``dst`` on the side stream; `wait_landed(key)` before
         the host reads ``dst``."""
         with self.side():
+            t0 = self._start()
             dst.copy_(src, non_blocking=self.pinned)
-            self._record(self._landed, key)
+            self._record(self._landed, key, "d2h_copy", t0)
         # The caller drops `src` (and `keep`, e.g. a collective's input) now: the allocator
         # must not reuse their memory before the side stream is past this copy.
         for t in (src, *keep):
@@ -154,9 +179,10 @@ class CudaCopier:
         param, after the compute stream is done reading the old values."""
         nb = self.pinned and src.is_pinned()  # the fp32 master is pageable: a blocking copy
         with self.side():
+            t0 = self._start()
             layout.copy_to_params(src, layout.start, non_blocking=nb)
             # One event after all of the bucket's copies: wait_uploaded needs them all done.
-            self._record(self._uploaded, key)
+            self._record(self._uploaded, key, "h2d_copy", t0)
 
     def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Host ``src`` -> a device buffer the side stream owns (this rank's slice of an
@@ -164,8 +190,9 @@ class CudaCopier:
         compute stream allocated before its first use here."""
         nb = self.pinned and src.is_pinned()
         with self.side():
+            t0 = self._start()
             dst.copy_(src, non_blocking=nb)
-            self._record(self._uploaded, key)
+            self._record(self._uploaded, key, "h2d_copy", t0)
 
     def wait_uploaded(self, key: int) -> None:
         # The host is about to overwrite the upload's source (the 16-bit staging buffer).

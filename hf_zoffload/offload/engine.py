@@ -146,7 +146,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.grad_norm: float | None = None
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self.timings = {"fwd_bwd": 0.0, "d2h": 0.0, "cpu_adam": 0.0, "h2d": 0.0}
+        # Seconds per step, each named for what it measures (host wall time unless "copy"):
+        # fwd_bwd: between two steps (forward, backward, the loop's own work); grad_wait:
+        # step() waiting for the window's grads to reach the host; cpu_adam: the CPU-Adam
+        # kernel; upload_host: publishing the new params (CPU: the copies; CUDA: queueing
+        # them); on CUDA also d2h_copy / h2d_copy: the side stream's copy time of the
+        # previous step, from CUDA events read without a sync.
+        self.timings = {"fwd_bwd": 0.0, "grad_wait": 0.0, "cpu_adam": 0.0, "upload_host": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
         self._note_written()
@@ -233,7 +239,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         live = [b for b in self.buckets if b.window.landed]
         for b in live:
             self.copier.wait_landed(b.layout.index)
-        self.timings["d2h"] = time.perf_counter() - t0
+        self.timings["grad_wait"] = time.perf_counter() - t0
         accumulated = any(b.window.landed > 1 for b in live)
         for b in live:
             if b.window.landed > 1:
@@ -324,6 +330,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         t_start = time.perf_counter()
         if self._t_step_end is not None:
             self.timings["fwd_bwd"] = t_start - self._t_step_end
+        self.timings.update(self.copier.device_times())
         overflow, norm = self._finalize()
         self.grad_norm = norm
         self._consolidated = None  # a consolidated state_dict is stale from here
@@ -348,17 +355,25 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self._start_delayed(work)
             else:
                 self._run(work, upload=True)
-                self.timings["h2d"] = self.copier.finish_uploads()
                 self._note_written()
         self._reset_window()
         self._t_step_end = time.perf_counter()
         return loss
 
     def _run(self, work: list[Work], *, upload: bool) -> None:
-        self.timings["cpu_adam"] = run(work, copier=self.copier, threads=self.cpu_threads,
-                                       publish=self.exchange.publish if upload else None)
+        self.timings["cpu_adam"], t_publish = run(
+            work, copier=self.copier, threads=self.cpu_threads,
+            publish=self.exchange.publish if upload else None)
         if upload:
-            self.exchange.finish_publish()
+            self.timings["upload_host"] = t_publish + self._finish_publish()
+
+    def _finish_publish(self) -> float:
+        """The last uploads are queued and the next forward will wait for them; returns the
+        host seconds that took."""
+        t0 = time.perf_counter()
+        self.exchange.finish_publish()
+        self.copier.finish_uploads()
+        return time.perf_counter() - t0
 
     def _start_delayed(self, work: list[Work]) -> None:
         # The background update reads this step's grads while the next backward streams
@@ -375,10 +390,10 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.timings["cpu_adam_wait"] = self._delayed.waited
         if self._uploads_pending:
             self._uploads_pending = False
+            t0 = time.perf_counter()
             for b in self.buckets:
                 self.exchange.publish(b)
-            self.exchange.finish_publish()
-            self.timings["h2d"] = self.copier.finish_uploads()
+            self.timings["upload_host"] = time.perf_counter() - t0 + self._finish_publish()
             self._note_written()
 
     def _reset_window(self) -> None:

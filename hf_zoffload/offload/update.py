@@ -77,10 +77,11 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
     return work
 
 
-def run(work: list[Work], *, copier, threads: int, publish=None) -> float:
+def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float, float]:
     """Run the planned calls; after each bucket, ``publish(bucket)`` if given (async on
-    CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam."""
-    t_adam = 0.0
+    CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam
+    and in ``publish``."""
+    t_adam = t_publish = 0.0
     for b, grad, runs in work:
         s = b.state
         copier.wait_uploaded(b.layout.index)  # its last upload has read the staging buffer
@@ -100,7 +101,9 @@ def run(work: list[Work], *, copier, threads: int, publish=None) -> float:
                     step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                     eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
                     out16=out16, num_threads=threads)
-        t_adam += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        t_adam += t1 - t0
         if publish is not None:
             publish(b)
-    return t_adam
+            t_publish += time.perf_counter() - t1
+    return t_adam, t_publish

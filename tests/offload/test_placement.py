@@ -159,3 +159,26 @@ def test_cuda_host_waits_use_blocking_events(monkeypatch):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     assert made and all(made)
+
+
+@pytest.mark.gpu
+def test_cuda_copy_times_come_from_events_a_step_later():
+    model = tiny_gpt2().cuda()
+    opt = _engine(model)
+    ids = batches(1)[0].cuda()
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # reads the copies of the step before, all finished by now
+    assert opt.timings["d2h_copy"] > 0 and opt.timings["h2d_copy"] > 0
+    assert opt.timings["upload_host"] >= 0 and opt.timings["grad_wait"] >= 0
+
+
+def test_cpu_timings_are_named_for_what_they_measure():
+    model = tiny_gpt2()
+    opt = _engine(model)
+    _train(model, opt, 2)
+    assert set(opt.timings) == {"fwd_bwd", "grad_wait", "cpu_adam", "upload_host"}
+    assert opt.timings["cpu_adam"] > 0
