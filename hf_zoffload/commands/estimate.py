@@ -129,7 +129,7 @@ def compute(args) -> dict:
     report = estimate(n, compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb,
                       world_size=args.num_gpus, n_frozen=parse_count(args.frozen_params),
                       grad_accumulation=args.grad_accumulation,
-                      delayed_update=plugin.delayed_update)
+                      delayed_update=plugin.delayed_update, pinned=plugin.pin_memory)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
     host = parse_size(args.host_memory) if args.host_memory else None
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.

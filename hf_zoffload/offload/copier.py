@@ -11,29 +11,11 @@ rules are stated where each copy is queued (docs/design.md, "Stream rules").
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import torch
 
 from .layout import BucketLayout
-
-logger = logging.getLogger(__name__)
-_warned_pinning = False
-
-
-def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A host buffer, page-locked when ``pin`` (needed for truly async copies)."""
-    global _warned_pinning
-    if pin:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        except RuntimeError as exc:  # e.g. RLIMIT_MEMLOCK in containers
-            if not _warned_pinning:
-                _warned_pinning = True
-                logger.warning("pinning host memory failed (%s); using pageable memory, "
-                               "device<->host copies will not overlap compute", exc)
-    return torch.empty(numel, dtype=dtype)
 
 
 class HostCopier:

@@ -33,6 +33,7 @@ from .collectives import resolve_group
 from .copier import make_copier
 from .delayed import DelayedUpdate
 from .exchange import LocalExchange
+from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import engine_report
 from .partitioned import PartitionedExchange
@@ -114,11 +115,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         layouts = build_layouts(slots, bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
                                 rank=self.exchange.rank, world=self.exchange.world)
         staging = self.device.type == "cuda" or plugin.delayed_update
-        self.buckets = [Bucket(lay, place(lay, self.dtype, self.device, pin=pin,
+        self.host_pool = HostPool(layouts, pin=pin)
+        self.buckets = [Bucket(lay, place(lay, self.dtype, self.device, pool=self.host_pool,
                                           staging=staging,
                                           flat=self.exchange.initial_values(lay)))
                         for lay in layouts]
-        self.exchange.attach(self.buckets, self._check)
+        self.exchange.attach(self.buckets, self._check, self.host_pool)
         self._where = {s.param: (b, i, s.offset, s.offset + s.numel, len(b.layout.slots))
                        for b in self.buckets for i, s in enumerate(b.layout.slots)}
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
@@ -379,7 +381,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         # The background update reads this step's grads while the next backward streams
         # new ones: the hooks get the other set of grad buffers.
         for item in work:
-            item.bucket.state.swap_grads(pin=self.copier.pinned)
+            item.bucket.state.swap_grads(self.host_pool, item.bucket.layout.index)
         self._delayed.start(lambda: self._run(work, upload=False), device=self.device)
         self._uploads_pending = True
 

@@ -7,8 +7,9 @@ all-gather). Tensor parallelism will be a third. The interface, in the order a s
 
 - ``rank``, ``world``: which shard of every bucket this rank holds (layout.py);
   ``initial_values(layout)``: the values every rank starts from (None: the params' own);
-  ``attach(buckets, check)`` once the buckets exist (``check(buf)`` runs the inf/nan and
-  squared-norm kernel on a buffer about to leave for the host).
+  ``attach(buckets, check, pool)`` once the buckets exist (``check(buf)`` runs the inf/nan
+  and squared-norm kernel on a buffer about to leave for the host; ``pool`` is the engine's
+  `host.HostPool`, where host buffers that copies touch come from).
 - ``begin_backward()`` at the first gradient of a backward; ``open(b)`` gives the bucket a
   device buffer (``b.window.pending``) its hooks write into; ``flush(b)`` sends a complete
   one on its way; ``end_backward(ended)`` after every bucket of a backward is flushed.
@@ -18,7 +19,7 @@ all-gather). Tensor parallelism will be a third. The interface, in the order a s
 - ``publish(b)`` uploads a bucket's new params after its CPU-Adam; ``finish_publish()``
   after the last one.
 - ``gather_state(b, to)``: (master, exp_avg, exp_avg_sq) of the whole bucket on rank ``to``
-  (None elsewhere), for checkpoints; ``nbytes()``: host bytes the exchange itself holds.
+  (None elsewhere), for checkpoints.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class LocalExchange:
         self.buckets: list[Bucket] = []
         self.check = None
 
-    def attach(self, buckets: list[Bucket], check) -> None:
+    def attach(self, buckets: list[Bucket], check, pool) -> None:
         self.buckets, self.check = buckets, check
 
     def initial_values(self, layout) -> torch.Tensor | None:
@@ -85,6 +86,3 @@ class LocalExchange:
 
     def gather_state(self, b: Bucket, *, to: int = 0):
         return b.state.master, b.state.exp_avg, b.state.exp_avg_sq
-
-    def nbytes(self) -> dict[str, int]:
-        return {}

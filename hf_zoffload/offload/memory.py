@@ -8,6 +8,8 @@ buffers), never activations.
 
 from __future__ import annotations
 
+from .host import plan_blocks
+
 _MIB = 1024**2
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -26,6 +28,7 @@ def estimate(
     n_frozen: int = 0,
     grad_accumulation: bool = False,
     delayed_update: bool = False,
+    pinned: bool = False,
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
@@ -33,7 +36,9 @@ def estimate(
     buckets in flight. Host, per rank: fp32 master weights and both moments for this rank's
     ``1/world_size`` shard (12 B/param), the 16-bit gradient and parameter staging buffers,
     the fp32 accumulation buffer when gradients are accumulated over micro-steps, and a
-    second gradient staging buffer for the delayed update.
+    second gradient staging buffer for the delayed update. ``pinned``: the staging buffers
+    are page-locked, held as the engine's pool holds them (host.py: power-of-two blocks of
+    whole buckets), with buckets of ``bucket_size_mb`` each.
     """
     if n_params < 0 or n_frozen < 0:
         raise ValueError("n_params and n_frozen must be >= 0")
@@ -48,12 +53,20 @@ def estimate(
         "params": (n_params + n_frozen) * w,
         "grad_buckets": min(2 * bucket, n_params * w),
     }
+    def staged(nbytes_per_param: int) -> int:  # one pool kind over every bucket's shard
+        if not pinned or not shard:
+            return nbytes_per_param * shard
+        per = max(1, int(bucket_size_mb * _MIB) // 2)  # params per bucket
+        sizes = [-(-min(per, n_params - i) // world_size) * nbytes_per_param
+                 for i in range(0, n_params, per)]
+        return sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
+
     host = {
         "master": 4 * shard,
         "exp_avg": 4 * shard,
         "exp_avg_sq": 4 * shard,
-        "grad_staging": w * shard * (2 if delayed_update else 1),
-        "param_staging": (w if w != 4 else 0) * shard,
+        "grad_staging": staged(w) * (2 if delayed_update else 1),
+        "param_staging": staged(w) if w != 4 else 0,
         "grad_accumulation": 4 * shard if grad_accumulation else 0,
     }
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w)
@@ -77,10 +90,15 @@ def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes)
 
 
+_POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging", "staging": "param_staging",
+               "unreduced16": "unreduced", "unreduced32": "grad_accumulation"}
+
+
 def engine_report(opt) -> dict:
     """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured from its
-    public facts (``buckets``' layouts and host states, ``exchange.nbytes()``, ``n_frozen``,
-    ``dtype``, ``device``).
+    public facts (``buckets``' layouts and host states, ``host_pool``, ``n_frozen``,
+    ``dtype``, ``device``). Pooled host buffers count as the blocks allocated for them (for
+    pinned memory, the power-of-two blocks torch's allocator holds).
 
     With N ranks the host side is this rank's: its shards, about 1/N of the state, plus the
     full-bucket buffers of accumulation without a collective when that is used. On a
@@ -92,10 +110,13 @@ def engine_report(opt) -> dict:
     for b in opt.buckets:
         for kind, n in b.state.nbytes().items():
             host[kind] += n
-    held = opt.exchange.nbytes()
-    unreduced = held.pop("unreduced_grads", 0)
-    for kind, n in held.items():
-        host[kind] += n
+    unreduced = 0
+    for kind, n in opt.host_pool.held().items():
+        name = _POOL_KINDS[kind[0]]
+        if name == "unreduced":
+            unreduced += n
+        else:
+            host[name] += n
     w = opt.dtype.itemsize
     on_cuda = opt.device.type == "cuda"
     largest = max(b.layout.padded for b in opt.buckets) * w
@@ -109,7 +130,11 @@ def engine_report(opt) -> dict:
     device = {"params": trained + opt.n_frozen * w,
               "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
     n = sum(b.layout.numel for b in opt.buckets)
-    return make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w)
+    report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w)
+    pool = opt.host_pool
+    report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
+                              else "pinned" if pool.pin else "not pinned")
+    return report
 
 
 def human(n: float) -> str:
@@ -130,4 +155,6 @@ def format_report(report: dict) -> str:
     lines.append(
         f"  plain AMP AdamW would need {human(report['plain_adamw_device_total'])} on the device"
     )
+    if report.get("host_pinning", "").startswith("pageable"):
+        lines.append(f"  host buffers are {report['host_pinning']}: copies do not overlap")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import Collectives, wants_sync
-from .copier import host_empty
+from .host import HostPool
 from .state import Bucket
 
 
@@ -58,10 +58,11 @@ class PartitionedExchange:
     """
 
     def __init__(self, group, *, device: torch.device, copier, dtype: torch.dtype,
-                 engine_sync):
+                 engine_sync, pool: HostPool | None = None):
         self.coll = Collectives(group, device=device)
         self.rank, self.world = self.coll.rank, self.coll.world
         self.copier = copier
+        self.pool = pool  # the engine's; set by attach at the latest
         self.dtype = dtype
         self._engine_sync = engine_sync  # () -> True / False / None (automatic)
         # gloo runs a collective on its own thread and only `wait()` blocks the host: wait
@@ -81,8 +82,8 @@ class PartitionedExchange:
     def sent(self) -> dict[str, int]:
         return self.coll.sent
 
-    def attach(self, buckets: list[Bucket], check) -> None:
-        self.buckets, self.check = buckets, check
+    def attach(self, buckets: list[Bucket], check, pool: HostPool) -> None:
+        self.buckets, self.check, self.pool = buckets, check, pool
         self._unreduced = {b.layout.index: _Unreduced() for b in buckets}
 
     def initial_values(self, layout) -> torch.Tensor:
@@ -114,7 +115,7 @@ class PartitionedExchange:
     def _host16(self, b: Bucket) -> torch.Tensor:
         u = self._unreduced[b.layout.index]
         if u.grad16 is None:
-            u.grad16 = host_empty(b.layout.padded, self.dtype, pin=self.copier.pinned)
+            u.grad16 = self.pool.get(("unreduced16",), b.layout.index, self.dtype, full=True)
         return u.grad16
 
     def open(self, b: Bucket) -> None:
@@ -123,7 +124,8 @@ class PartitionedExchange:
         u, w = self._unreduced[b.layout.index], b.window
         if u.count:  # fold the unreduced micro-steps held on the host into their fp32 sum
             if u.acc is None:
-                u.acc = host_empty(b.layout.padded, torch.float32, pin=self.copier.pinned)
+                u.acc = self.pool.get(("unreduced32",), b.layout.index, torch.float32,
+                                      full=True)
             (u.acc.copy_ if u.count == 1 else u.acc.add_)(u.grad16)
         if self._sync and u.count:  # this backward's grads are added to the sum, in fp32
             w.pending, w.prefilled, u.count = self.copier.to_device(u.acc), True, 0
@@ -141,7 +143,7 @@ class PartitionedExchange:
         g = b.state.grads
         if buf.dtype != self.dtype:  # an fp32 sum over micro-steps lands in fp32
             if g.grad32 is None:
-                g.grad32 = host_empty(b.layout.shard, torch.float32, pin=self.copier.pinned)
+                g.grad32 = self.pool.get(("grad32", g.which), b.layout.index, torch.float32)
             landing = g.grad32
         else:
             landing = g.grad16
@@ -272,9 +274,3 @@ class PartitionedExchange:
                                                f"optimizer state to rank {to}")
         return tuple(torch.cat(parts, dim=1).cpu()) if parts is not None else None
 
-    def nbytes(self) -> dict[str, int]:
-        """Host bytes of unreduced micro-steps (full buckets, not divided by N)."""
-        def size(ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return {"unreduced_grads": size(u.grad16 for u in self._unreduced.values()),
-                "grad_accumulation": size(u.acc for u in self._unreduced.values())}

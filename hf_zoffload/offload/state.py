@@ -3,7 +3,8 @@
 `HostState`: this rank's shard of the fp32 master weights and both Adam moments, the 16-bit
 staging buffer the CPU-Adam writes new params into (CUDA and the delayed update), and the
 gradient landing buffers (`GradBuffers`), two sets of them with the delayed update, whose
-background step reads one set while the next backward fills the other.
+background step reads one set while the next backward fills the other. Buffers that device
+copies touch are views of the engine's `HostPool` (host.py), which counts them.
 
 `Window`: per-bucket bookkeeping of one accumulation window (every backward since the last
 ``step()`` / ``zero_grad()``): docs/design.md, "Accumulation window".
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .copier import host_empty
+from .host import HostPool
 from .layout import BucketLayout
 
 
@@ -23,12 +24,10 @@ from .layout import BucketLayout
 class GradBuffers:
     """Where reduced gradients of this rank's shard land on the host."""
 
-    grad16: torch.Tensor  # compute dtype: the latest backward's grads
-    grad32: torch.Tensor | None = None  # fp32: a reduced sum over micro-steps (data parallel)
-    acc: torch.Tensor | None = None  # fp32 sum of the window's earlier backwards
-
-    def tensors(self):
-        return [t for t in (self.grad16, self.grad32, self.acc) if t is not None]
+    which: int  # 0 or 1: the set (the pool's kinds are per set)
+    grad16: torch.Tensor  # compute dtype: the latest backward's grads (pool view)
+    grad32: torch.Tensor | None = None  # fp32: a reduced sum over micro-steps (pool view)
+    acc: torch.Tensor | None = None  # fp32 sum of the window's earlier backwards (pageable)
 
 
 @dataclass(eq=False)
@@ -40,16 +39,17 @@ class HostState:
     staging: torch.Tensor | None = None  # new 16-bit params; mirrors the device params
     spare: GradBuffers | None = None  # the delayed update's second set, made on first use
 
-    def swap_grads(self, *, pin: bool) -> None:
+    def swap_grads(self, pool: HostPool, index: int) -> None:
         """The delayed update's background step keeps reading the current buffers; the
         next backward lands in the other set."""
         if self.spare is None:
-            self.spare = GradBuffers(host_empty(self.grads.grad16.numel(),
-                                                self.grads.grad16.dtype, pin=pin))
+            g16 = self.grads.grad16
+            self.spare = GradBuffers(1, pool.get(("grad16", 1), index, g16.dtype))
         self.grads, self.spare = self.spare, self.grads
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, by the kinds `memory.estimate()` reports."""
+        """Bytes of the buffers this state owns outright (not the pool's views), by the
+        kinds `memory.estimate()` reports."""
         def size(ts):
             return sum(t.numel() * t.element_size() for t in ts)
         sets = [g for g in (self.grads, self.spare) if g is not None]
@@ -57,14 +57,11 @@ class HostState:
             "master": size([self.master]),
             "exp_avg": size([self.exp_avg]),
             "exp_avg_sq": size([self.exp_avg_sq]),
-            "grad_staging": size([t for g in sets for t in (g.grad16, g.grad32)
-                                  if t is not None]),
-            "param_staging": size([self.staging] if self.staging is not None else []),
             "grad_accumulation": size([g.acc for g in sets if g.acc is not None]),
         }
 
 
-def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pin: bool,
+def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
           staging: bool, flat: torch.Tensor | None = None) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
@@ -82,11 +79,11 @@ def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pin
     state = HostState(master=master,
                       exp_avg=torch.zeros(layout.shard, dtype=torch.float32),
                       exp_avg_sq=torch.zeros(layout.shard, dtype=torch.float32),
-                      grads=GradBuffers(host_empty(layout.shard, dtype, pin=pin)))
+                      grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)))
     if staging and dtype != torch.float32:
         # Mirrors the device params at all times, so uploading a whole bucket (or shard)
         # never changes params that got no gradient. Padding: zeros, never written.
-        state.staging = host_empty(layout.shard, dtype, pin=pin)
+        state.staging = pool.get(("staging",), layout.index, dtype)
         state.staging.zero_()
         layout.copy_from_params(state.staging, layout.start)
     return state

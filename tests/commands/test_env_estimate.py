@@ -63,7 +63,8 @@ def test_env_still_reports_without_the_kernel_and_with_a_bad_setting(monkeypatch
 
 
 # -------------------------------------------------------------------- estimate
-def test_estimate_7b_bf16_by_hand(capsys):
+def test_estimate_7b_bf16_by_hand(capsys, monkeypatch):
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")  # exact bytes; pinned: below
     r = _json(capsys, "--params", "7B", "--compute_dtype", "bf16", "--gpu_memory", "24GiB",
               "--host_memory", "128GB")
     n = 7_000_000_000
@@ -87,7 +88,8 @@ def test_estimate_7b_bf16_by_hand(capsys):
     assert "DOES NOT FIT" in text
 
 
-def test_estimate_tiny_gpt2_fp16_two_gpus_delayed_by_hand(capsys, tmp_path):
+def test_estimate_tiny_gpt2_fp16_two_gpus_delayed_by_hand(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")  # exact bytes; pinned: below
     # wte 1000*64 + wpe 128*64 + 2 layers * (2 ln 2*64*2 + c_attn 64*192+192 + attn c_proj
     # 64*64+64 + c_fc 64*256+256 + mlp c_proj 256*64+64) + ln_f 2*64; lm_head tied
     n = 64_000 + 8_192 + 2 * (256 + 12_480 + 4_160 + 16_640 + 16_448) + 128
@@ -111,6 +113,23 @@ def test_estimate_tiny_gpt2_fp16_two_gpus_delayed_by_hand(capsys, tmp_path):
     cfg.save_pretrained(tmp_path)
     for model in (str(tmp_path), str(tmp_path / "config.json")):
         assert _json(capsys, "--model", model)["report"]["n_params"] == n
+
+
+def test_estimate_counts_pinned_staging_as_the_pool_holds_it(capsys, monkeypatch):
+    """Pinned (the default), the staging buffers are power-of-two blocks of whole buckets
+    (offload/host.py): what torch's pinned allocator really holds."""
+    from hf_zoffload.offload.host import plan_blocks
+
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "true")
+    n = 7_000_000_000
+    rep = _json(capsys, "--params", "7B", "--compute_dtype", "bf16")["report"]
+    per = 32 * MIB // 2  # params per 32 MiB bucket of 16-bit grads
+    sizes = [2 * min(per, n - i) for i in range(0, n, per)]
+    held = sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
+    assert rep["host"]["grad_staging"] == rep["host"]["param_staging"] == held
+    assert 2 * n <= held < 1.02 * 2 * n
+    tiny = _json(capsys, "--params", "1000", "--compute_dtype", "bf16")["report"]
+    assert tiny["host"]["grad_staging"] == 2048  # 2000 B, 64-aligned, in a 2 KiB block
 
 
 def test_estimate_never_downloads(capsys):

@@ -194,6 +194,9 @@ class AsyncCopier:
             self._wait(seq, f"wait_uploaded({key})")
         self._raise()
 
+    def device_times(self) -> dict[str, float]:
+        return {}  # emulated copies: no device time to report
+
     def finish_uploads(self) -> float:
         t0 = time.perf_counter()
         with self._cv:

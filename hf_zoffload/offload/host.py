@@ -1,0 +1,102 @@
+"""Host buffers that device copies read or write: page-locked, and carved from few blocks.
+
+torch's pinned host allocator rounds every allocation up to a power of two, so one pinned
+tensor per bucket wastes up to half of each (86 MiB buckets of a Llama-7B shape become
+128 MiB: about 31%, 8 GiB in all), never returned and invisible to a byte count of the
+tensors. `HostPool` holds one set of blocks per kind of buffer for all buckets, each block a
+power of two in size and filled with whole buckets, so the rounding costs at most the tail
+of each block (docs/design.md, "Host memory"). What it holds is what `memory_report()`
+counts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .layout import BucketLayout
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64  # bytes: every bucket's view starts on a cache line (and a 512-bit vector)
+
+
+def _pin_power_of_two(nbytes: int) -> int:
+    return 1 << max(0, (nbytes - 1).bit_length())
+
+
+def plan_blocks(sizes: list[int], *, pinned: bool) -> list[tuple[int, list[tuple[int, int]]]]:
+    """How to place buffers of ``sizes`` bytes (each rounded up to 64) in blocks: a list of
+    (block bytes, [(buffer index, byte offset)]). Pinned: each block is a power of two (what
+    torch's pinned allocator holds for it anyway), the largest one that the remaining
+    buffers fill, so the waste is at most the part of one buffer per block plus a small
+    last block. Pageable: one block of the exact total."""
+    sizes = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    if not pinned:
+        offsets, at = [], 0
+        for i, n in enumerate(sizes):
+            offsets.append((i, at))
+            at += n
+        return [(at, offsets)] if sizes else []
+    left, blocks = list(range(len(sizes))), []
+    while left:
+        cap = 1 << (sum(sizes[i] for i in left).bit_length() - 1)  # largest power of 2 <= total
+        placed, at = [], 0
+        for i in left:  # first fit, in bucket order
+            if at + sizes[i] <= cap:
+                placed.append((i, at))
+                at += sizes[i]
+        if not placed:  # every buffer left is larger than cap: the first one on its own
+            placed, cap = [(left[0], 0)], _pin_power_of_two(sizes[left[0]])
+        taken = {i for i, _ in placed}
+        left = [i for i in left if i not in taken]
+        blocks.append((cap, placed))
+    return blocks
+
+
+class HostPool:
+    """Host buffers by kind, one view per bucket, each kind allocated on its first use for
+    all buckets at once. ``pin`` asks for page-locked memory (truly asynchronous copies);
+    if that fails (e.g. RLIMIT_MEMLOCK in a container) the pool falls back to pageable
+    memory, logs why once, and says so in ``pageable_reason``."""
+
+    def __init__(self, layouts: list[BucketLayout], *, pin: bool):
+        self.layouts = layouts
+        self.pin = pin
+        self.pageable_reason: str | None = None
+        self._views: dict[tuple, list[torch.Tensor]] = {}
+        self._held: dict[tuple, int] = {}
+
+    def get(self, kind: tuple, index: int, dtype: torch.dtype, *, full: bool = False):
+        """Bucket ``index``'s buffer of ``kind`` (a name plus anything that tells two sets
+        apart): ``full`` buckets (padded) or this rank's shard, of ``dtype``."""
+        if kind not in self._views:
+            self._allocate(kind, dtype, full=full)
+        return self._views[kind][index]
+
+    def _allocate(self, kind: tuple, dtype: torch.dtype, *, full: bool) -> None:
+        numels = [lay.padded if full else lay.shard for lay in self.layouts]
+        size = torch.tensor([], dtype=dtype).element_size()
+        views: list[torch.Tensor | None] = [None] * len(numels)
+        held = 0
+        for nbytes, placed in plan_blocks([n * size for n in numels], pinned=self.pin):
+            block = self._block(nbytes)
+            held += nbytes
+            for i, at in placed:
+                views[i] = block[at:at + numels[i] * size].view(dtype)
+        self._views[kind], self._held[kind] = views, held
+
+    def _block(self, nbytes: int) -> torch.Tensor:
+        if self.pin and self.pageable_reason is None:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as exc:
+                self.pageable_reason = str(exc).splitlines()[0][:200]
+                logger.warning("pinning host memory failed (%s); using pageable memory, "
+                               "device<->host copies will not overlap compute",
+                               self.pageable_reason)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def held(self) -> dict[tuple, int]:
+        """Bytes allocated, by kind (block sizes: for pinned memory, what torch holds)."""
+        return dict(self._held)
