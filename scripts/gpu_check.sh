@@ -1,25 +1,40 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine, run with the interpreter found there, installing nothing:
 #   bash scripts/gpu_check.sh            # uses python3 on PATH; PYTHON=/path/to/python overrides
-# Stages, each with its own timeout and its log in $OUT/<stage>.log (OUT defaults to
-# outputs/gpu_check): env (nvidia-smi, versions), cuda (torch.cuda.is_available() and one
-# kernel; when it fails nothing else runs), build (the CPU-Adam extension, in place), gpu_tests
-# (pytest -m gpu with HF_ZOFFLOAD_REQUIRE_GPU=1: a skipped gpu test fails, and so does
-# collecting none), then the GPU benchmarks. $OUT/summary.md gets a pass/fail/timeout table,
-# rewritten after every stage. Every stage runs even after an earlier one failed; the exit
-# status is non-zero if any failed. The whole run stays within GPU_CHECK_BUDGET_S (540 s):
-# a stage gets what is left of it when that is less than its own timeout.
+# Stages, each with its own timeout (the list is at the end of this file): env (nvidia-smi,
+# versions), cuda (torch.cuda.is_available() and one kernel; when it fails nothing else runs),
+# build (the CPU-Adam extension, in place), gpu_tests (pytest -m gpu with
+# HF_ZOFFLOAD_REQUIRE_GPU=1: a skipped gpu test fails, and so does collecting none), the
+# engine checks (scripts/gpu_race.py, also under torch's CUDA stream sanitizer;
+# scripts/gpu_nccl_one_rank.py; scripts/gpu_host_memory.py), run_clm.py with and without
+# --zero_offload (scripts/gpu_clm_compare.py), then the GPU benchmarks. Every stage runs even
+# after an earlier one failed; the exit status is non-zero if any failed. The whole run stays
+# within GPU_CHECK_BUDGET_S (540 s): a stage gets what is left of it when that is less than its
+# own timeout.
+#
+# Output ($OUT, default outputs/gpu_check), at most 5 files, since a device machine brings back
+# 8: summary.md (rewritten after every stage: versions, a pass/fail/timeout table, each stage's
+# figures, the last 40 lines of each failed stage's log), env.log and cuda.log, logs.txt (every
+# later stage's log under a "===== NAME: result, seconds =====" header, appended as the stage
+# ends) and, while a stage runs, its own NAME.log. Figures: the lines a stage prints starting
+# with "summary: " (prefix dropped) go to summary.md under the stage's name; the benchmarks,
+# which print markdown tables, contribute their table lines instead.
 #
 # To add a check, add a `stage NAME TIMEOUT_S CMD...` line below. CMD is a program with its
 # arguments, or a shell function defined in this file (it runs under bash -c, so it sees only
-# exported variables: ROOT, OUT, PY). Keep the sum of the timeouts within the budget.
+# exported variables: ROOT, OUT, PY, SCRATCH). Keep the sum of the timeouts within the budget,
+# with about 30 s to spare; write nothing else into $OUT (SCRATCH is a scratch folder, removed
+# at the end).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/outputs/gpu_check}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)" || exit 2
 cd "$ROOT" || exit 2
 PY="$(command -v "${PYTHON:-python3}" || echo "${PYTHON:-python3}")"
-export ROOT OUT PY
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
+trap 'rm -rf -- "$SCRATCH"' EXIT
+rm -f "$OUT/summary.md" "$OUT/logs.txt"  # this run's only; stage logs are overwritten
+export ROOT OUT PY SCRATCH
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, no install
 export PYTHONUNBUFFERED=1
 export HF_ZOFFLOAD_REQUIRE_GPU=1  # tests/conftest.py: a skipped gpu test is a failure
@@ -29,13 +44,20 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
 KILL_GRACE=5    # seconds between timeout's TERM and its KILL
 STATUS=0        # 1 once any stage did not pass
 ROWS=()         # summary table rows
+DONE=()         # names of the stages run, in order
 FAILED=()       # "name|result" of each stage that did not pass
 NOTE=""         # a line for the top of the summary
+OWN_LOG=" env cuda "                     # stages whose log stays a file of its own in $OUT
+TABLES=" bench_scaling bench_offload "   # stages whose markdown tables are their figures
 
 info() {  # info KEY: the value of an "info KEY: value" line printed by the env or cuda stage
     local value
     value="$(sed -n "s/^info $1: //p" "$OUT/env.log" "$OUT/cuda.log" 2>/dev/null | head -n 1)"
     echo "${value:-unknown}"
+}
+
+log_of() {  # log_of NAME: where the log of stage NAME is now
+    if [ -f "$OUT/$1.log" ]; then echo "$OUT/$1.log"; else echo "$SCRATCH/$1.log"; fi
 }
 
 write_summary() {
@@ -57,19 +79,40 @@ write_summary() {
         echo "| stage | result | seconds | timeout (s) | log |"
         echo "| --- | --- | ---: | ---: | --- |"
         [ "${#ROWS[@]}" -eq 0 ] || printf '%s\n' "${ROWS[@]}"
+        for name in ${DONE[@]+"${DONE[@]}"}; do
+            [ -s "$SCRATCH/$name.figures" ] || continue
+            echo
+            echo "## $name"
+            echo
+            cat "$SCRATCH/$name.figures"
+        done
         for line in ${FAILED[@]+"${FAILED[@]}"}; do
             name="${line%%|*}"
             echo
-            echo "## $name: ${line#*|} (last 40 lines of $name.log)"
+            echo "## $name: ${line#*|} (last 40 lines of its log)"
             echo
             echo '```'
-            tail -n 40 "$OUT/$name.log" 2>/dev/null
+            tail -n 40 "$(log_of "$name")" 2>/dev/null
             echo '```'
         done
     } >"$OUT/summary.md"
 }
 
+finish_log() {  # finish_log NAME RESULT SECONDS: take the figures, move the log into logs.txt
+    local name=$1 log="$OUT/$1.log"
+    [ -f "$log" ] || return 0
+    if [[ "$TABLES" == *" $name "* ]]; then
+        grep '^|' "$log" >"$SCRATCH/$name.figures"
+    else
+        sed -n 's/^summary: //p' "$log" >"$SCRATCH/$name.figures"
+    fi
+    [[ "$OWN_LOG" == *" $name "* ]] && return 0
+    { echo "===== $name: $2, $3 s ====="; cat "$log"; echo; } >>"$OUT/logs.txt"
+    mv -f "$log" "$SCRATCH/$name.log"
+}
+
 stage() {  # stage NAME TIMEOUT_S CMD...: run CMD under timeout, output to $OUT/NAME.log
+    # while it runs (finish_log then moves it into logs.txt, unless it is env or cuda)
     local name=$1 limit=$2 asked=$2 rc result t0 secs
     shift 2
     local left=$((BUDGET_S - SECONDS - KILL_GRACE))
@@ -105,13 +148,17 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run CMD under timeout, output to $OUT/
         fi
     fi
     record "$name" "$result" "$secs" "$asked"
+    finish_log "$name" "$result" "$secs"
     echo "gpu_check: [$name] $result, ${secs} s"
     write_summary
     [ "$rc" -eq 0 ]
 }
 
 record() {  # record NAME RESULT SECONDS TIMEOUT_S: a row of the summary table
-    ROWS+=("| $1 | $2 | $3 | $4 | $1.log |")
+    local where=logs.txt
+    [[ "$OWN_LOG" == *" $1 "* ]] && where="$1.log"
+    ROWS+=("| $1 | $2 | $3 | $4 | $where |")
+    DONE+=("$1")
     if [ "$2" != pass ]; then
         STATUS=1
         FAILED+=("$1|$2")
@@ -125,6 +172,7 @@ interrupted() {  # on INT/TERM/HUP: stop the running stage, write the summary, e
         wait "$STAGE_PID" 2>/dev/null
         echo "gpu_check: interrupted" >>"$OUT/$STAGE_NAME.log"
         record "$STAGE_NAME" interrupted "$((SECONDS - STAGE_T0))" "$STAGE_LIMIT"
+        finish_log "$STAGE_NAME" interrupted "$((SECONDS - STAGE_T0))"
     fi
     STATUS=1
     NOTE="interrupted by a signal; the stages after the last one listed did not run"
@@ -153,8 +201,8 @@ import sys
 
 print(f"info python: {sys.executable} ({platform.python_version()})")
 found = []
-for name in ("torch", "triton", "transformers", "accelerate", "peft", "Cython", "setuptools",
-             "pytest", "numpy"):
+for name in ("torch", "triton", "transformers", "accelerate", "tokenizers", "datasets", "peft",
+             "Cython", "setuptools", "pytest", "numpy"):
     try:
         found.append(f"{name} {md.version(name)}")
     except md.PackageNotFoundError:
@@ -185,9 +233,13 @@ EOF
 }
 
 gpu_tests() {
+    local rc out="$SCRATCH/gpu_tests.out"
     "$PY" -m pytest tests -m gpu -q -p no:cacheprovider --durations=15 \
-        --continue-on-collection-errors
-    local rc=$?
+        --continue-on-collection-errors 2>&1 | tee "$out"
+    rc=${PIPESTATUS[0]}
+    # pytest's last line: "24 passed in 51.20s", or the failures and errors
+    echo "summary: $(grep -E '[0-9]+ (passed|failed|error|errors|skipped|deselected)' "$out" \
+        | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
     if [ "$rc" -eq 5 ]; then
         echo "gpu_check: pytest collected no gpu test (exit 5), which counts as a failure"
         return 1
@@ -195,19 +247,48 @@ gpu_tests() {
     return "$rc"
 }
 
+race_sanitizer() {
+    # torch's CUDA stream sanitizer (torch/cuda/_sanitizer.py) prints each unsynchronized
+    # access it finds to stderr, starting "CSAN detected a possible data race", and raises
+    # CUDASanitizerErrors from that op. A report fails the stage even where the exception was
+    # swallowed on the way (a hook, a thread). --expect_sanitizer makes the script check first
+    # that the sanitizer is on and reports a planted race (that report is not printed).
+    local rc races out="$SCRATCH/race_sanitizer.out"
+    TORCH_CUDA_SANITIZER=1 "$PY" scripts/gpu_race.py --short --expect_sanitizer 2>&1 \
+        | tee "$out"
+    rc=${PIPESTATUS[0]}
+    races="$(grep -c 'CSAN detected a possible data race' "$out")"
+    if [ "${races:-0}" -gt 0 ]; then
+        echo "summary: **the CUDA stream sanitizer reported $races possible data race(s)**"
+        echo "gpu_check: the CUDA stream sanitizer reported $races possible data race(s)"
+        return 1
+    fi
+    return "$rc"
+}
+
 echo "gpu_check: python $PY; logs and summary.md in $OUT"
-stage env 15 env_info
-if ! stage cuda 45 cuda_check; then
+stage env 10 env_info
+if ! stage cuda 30 cuda_check; then
     NOTE="no CUDA device available to $PY (see cuda.log); nothing after the cuda stage was run"
     write_summary
     echo "gpu_check: FAIL: $NOTE" >&2
     tail -n 3 "$OUT/cuda.log" >&2
     exit 1
 fi
-stage build 90 "$PY" setup.py build_ext --inplace --force
-stage gpu_tests 240 gpu_tests
-stage bench_scaling 60 "$PY" scripts/bench_scaling.py
-stage bench_offload 90 "$PY" scripts/bench_offload.py --device cuda
+# Timeouts, env and cuda included, sum to 505 s of the 540 s budget. They are estimates for
+# one H200, not yet measured: each Python stage spends ~5 s importing torch (and transformers);
+# Triton compiles the check kernel per dtype once per machine (later stages reuse its cache).
+stage build 55 "$PY" setup.py build_ext --inplace --force
+stage gpu_tests 110 gpu_tests
+stage race 45 "$PY" scripts/gpu_race.py
+stage race_sanitizer 40 race_sanitizer
+stage nccl_one_rank 30 "$PY" scripts/gpu_nccl_one_rank.py
+stage host_memory 20 "$PY" scripts/gpu_host_memory.py
+stage run_clm 85 "$PY" scripts/gpu_clm_compare.py --run_timeout 60
+# 250M fp16 elements: 10 buckets of the default 25M instead of 40. Per-bucket costs (launch,
+# read) and so every ratio in the table stay the same; allocation and timing take a quarter.
+stage bench_scaling 25 "$PY" scripts/bench_scaling.py --elements 250000000
+stage bench_offload 55 "$PY" scripts/bench_offload.py --device cuda
 write_summary
 cat "$OUT/summary.md"
 echo "gpu_check: $([ "$STATUS" -eq 0 ] && echo PASS || echo FAIL); summary in $OUT/summary.md"

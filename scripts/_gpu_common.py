@@ -1,0 +1,273 @@
+"""What the GPU check scripts (scripts/gpu_*.py, run by scripts/gpu_check.sh) share.
+
+- `require_cuda`: each script exits 1 at once, saying "CUDA is needed", where CUDA is absent.
+- `summary`: lines printed as ``summary: <markdown>``; gpu_check.sh copies them (without the
+  prefix) into summary.md under the stage's name, so each stage reports its figures there.
+- A synthetic training whose gradients are exact: params of odd sizes over several buckets,
+  ``loss = sum((p.float() * c).sum())`` with constants ``c`` that are exact in the compute
+  dtype, so every gradient is ``loss_scale * c`` exactly (the scale is a power of two) on any
+  device and through any kernel. Two engines fed the same constants must then end every step
+  with bitwise the same params, fp32 master weights and moments: the CPU-Adam runs on the host
+  for both (docs/design.md, Data flow). Only the gradient norm may differ (Triton's sum of
+  squares on CUDA, torch's on the CPU), so clipping is off.
+- `delayed_side`: ``CudaCopier.side`` patched to queue ``torch.cuda._sleep`` on the side stream
+  before every copy (and the caller queues one on the compute stream before each backward), so
+  a missing wait reads or overwrites a buffer too early and the runs part.
+
+Import-safe: nothing runs at import but the path set-up, so tests import these helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout: the in-place build, no install
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from hf_zoffload.config import ZeroOffloadPlugin  # noqa: E402
+from hf_zoffload.offload.copier import CudaCopier  # noqa: E402
+from hf_zoffload.offload.engine import ZeroOffloadOptimizer  # noqa: E402
+
+SUMMARY_PREFIX = "summary: "
+CUDA_NEEDED = "CUDA is needed"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# ~1 ms at an H200's 1.98 GHz boost clock (up to ~6 ms at its 345 MHz idle clock): far
+# longer than any copy here (the largest bucket is 40 KiB, ~2 us), so a copy that is not
+# waited for is still queued when the host or the other stream touches its buffer. About
+# 1,600 delays in gpu_race.py's full run: 2 s at the boost clock.
+SLEEP_CYCLES = 2_000_000
+
+
+def require_cuda(script: str) -> None:
+    """Exit 1 with a clear message unless a CUDA device is usable."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: {CUDA_NEEDED}: torch {torch.__version__} (built with CUDA "
+                 f"{torch.version.cuda}) sees no CUDA device. This check runs on a GPU "
+                 f"machine, through scripts/gpu_check.sh.")
+
+
+def summary(line: str) -> None:
+    print(SUMMARY_PREFIX + line, flush=True)
+
+
+def md_table(header: list[str], rows: list[list]) -> list[str]:
+    """Markdown table lines: header, separator, rows (cells formatted with str)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# ---------------------------------------------------------------- synthetic training
+# Odd sizes, some 2-D; 35,908 elements in all. With BUCKET_MB the engine makes 5 buckets, the
+# (101, 199) and (8191,) params each larger than a bucket (a bucket of their own).
+SHAPES = [(31, 33), (4099,), (7,), (101, 199), (333,), (2051,), (8191,), (3, 5, 7)]
+SCALES = [1.0, 0.1, 3.0, 0.01, 1.0, 0.5, 0.2, 2.0]  # gradient magnitudes differ per param
+BUCKET_MB = 0.0125  # 6,553 16-bit elements per bucket
+WARMUP = 2  # delayed update: steps 0 and 1 are not delayed, the rest are
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str
+    delayed: bool
+    accum: int
+    steps: int
+    overflow_at: int | None = None  # fp16: an inf in the last micro-step of this step
+
+    @property
+    def name(self) -> str:
+        return (f"{self.dtype}, delayed {'on' if self.delayed else 'off'}, "
+                f"accum {self.accum}")
+
+
+def skips(step: int, micro: int, i: int) -> bool:
+    """Param i gets no gradient in this micro-step: (7,) on even steps, (2051,) in the first
+    micro-step of odd steps (the engine flushes such buckets at the end of backward, and with
+    accumulation the param still gets a gradient later in the window)."""
+    return (i == 2 and step % 2 == 0) or (i == 5 and micro == 0 and step % 2 == 1)
+
+
+def make_params(device, *, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(device)) for s in SHAPES]
+
+
+def constants(cfg: Config, *, seed: int = 1, steps: int | None = None) -> list:
+    """c[step][micro][i]: fp32 CPU tensors holding values exact in ``cfg.dtype``."""
+    dt = DTYPES[cfg.dtype]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(cfg.steps if steps is None else steps):
+        per = []
+        for micro in range(cfg.accum):
+            cs = [(torch.randn(s, generator=g) * (0.1 * k)).to(dt).float()
+                  for s, k in zip(SHAPES, SCALES)]
+            if cfg.overflow_at == step and micro == cfg.accum - 1:
+                cs[1].view(-1)[17] = float("inf")
+            per.append(cs)
+        out.append(per)
+    return out
+
+
+def plugin(cfg: Config) -> ZeroOffloadPlugin:
+    # Scale 2^10, doubled after 2 clean steps, halved at once on an overflow: the scale moves
+    # during a run, and 0.1 * 3 * 4.5 sigma * 2^13 stays far below fp16's 65504.
+    return ZeroOffloadPlugin(compute_dtype=cfg.dtype, delayed_update=cfg.delayed,
+                             delayed_update_warmup_steps=WARMUP, max_grad_norm=0.0,
+                             bucket_size_mb=BUCKET_MB, init_scale=2.0**10, growth_interval=2,
+                             hysteresis=1)
+
+
+def make_engine(params, cfg: Config, **kwargs) -> ZeroOffloadOptimizer:
+    # two groups with different weight decay: one CPU-Adam call per group within a bucket
+    groups = [{"params": params[:4], "weight_decay": 0.01},
+              {"params": params[4:], "weight_decay": 0.0}]
+    return ZeroOffloadOptimizer(groups, lr=1e-2, plugin=plugin(cfg), **kwargs)
+
+
+def loss_of(params, cs, step: int, micro: int) -> torch.Tensor:
+    terms = [(p.float() * c).sum() for i, (p, c) in enumerate(zip(params, cs))
+             if not skips(step, micro, i)]
+    return torch.stack(terms).sum()
+
+
+def snapshot(opt, params) -> dict:
+    snap = {"params": [p.detach().to("cpu", copy=True) for p in params],
+            "skipped": opt.last_step_skipped, "scale": opt.loss_scaler.loss_scale,
+            "norm": opt.grad_norm}
+    if not opt.update_in_flight:  # a delayed update's thread may be writing the host state
+        snap["host"] = [{k: v.clone() for k, v in opt.host_views(p).items()} for p in params]
+    return snap
+
+
+def train(opt, params, consts, *, device, no_sync=None, compute_sleep: int = 0,
+          first_step: int = 0) -> list[dict]:
+    """Run ``consts`` (c[step][micro][i]) through ``opt``; a snapshot after every step and one
+    after the final ``flush()``. ``no_sync(step, micro)``: that backward runs inside
+    ``opt.no_sync()``. ``compute_sleep``: cycles queued on the compute stream before each
+    backward (CUDA), so hooks' writes land late."""
+    consts = [[[c.to(device) for c in cs] for cs in per] for per in consts]
+    trace = []
+    for k, per in enumerate(consts):
+        step = first_step + k
+        for micro, cs in enumerate(per):
+            quiet = no_sync is not None and no_sync(step, micro)
+            with opt.no_sync() if quiet else contextlib.nullcontext():
+                if compute_sleep:
+                    torch.cuda._sleep(compute_sleep)
+                opt.backward(loss_of(params, cs, step, micro))
+        opt.step()
+        opt.zero_grad()  # what loops do next; must not wait for a delayed update
+        trace.append(snapshot(opt, params))
+    opt.flush()
+    trace.append(snapshot(opt, params))
+    return trace
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that -0.0 != 0.0 and a nan equals the same nan."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def _describe(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    n = int((bits(a) != bits(b)).sum())
+    diff = float((a.double() - b.double()).abs().nan_to_num().max()) if a.numel() else 0.0
+    return f"{n} of {a.numel()} elements differ, max |diff| {diff:.3g}"
+
+
+def compare(ref: list[dict], got: list[dict], *, limit: int = 20) -> list[str]:
+    """Every difference between two traces of `train` but the norm, as readable lines (at
+    most ``limit``); empty when they are bitwise equal."""
+    bad = []
+    if len(ref) != len(got):
+        return [f"{len(ref)} snapshots vs {len(got)}"]
+    for s, (x, y) in enumerate(zip(ref, got)):
+        where = f"step {s}" if s < len(ref) - 1 else "after flush()"
+        for key in ("skipped", "scale"):
+            if x[key] != y[key]:
+                bad.append(f"{where}: {key} {x[key]} vs {y[key]}")
+        for i, (a, b) in enumerate(zip(x["params"], y["params"])):
+            if not same_bits(a, b):
+                bad.append(f"{where}: param {i} {SHAPES[i] if i < len(SHAPES) else ''}: "
+                           f"{_describe(a, b)}")
+        if ("host" in x) != ("host" in y):
+            bad.append(f"{where}: a delayed update in flight on one side only")
+        elif "host" in x:
+            for i, (hx, hy) in enumerate(zip(x["host"], y["host"])):
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    if not same_bits(hx[key], hy[key]):
+                        bad.append(f"{where}: {key} of param {i}: {_describe(hx[key], hy[key])}")
+    return bad[:limit] + ([f"... and {len(bad) - limit} more"] if len(bad) > limit else [])
+
+
+def norm_rel_diff(ref: list[dict], got: list[dict]) -> float:
+    """Largest relative difference of the finite gradient norms (0.0 if none compared)."""
+    worst = 0.0
+    for x, y in zip(ref, got):
+        a, b = x.get("norm"), y.get("norm")
+        if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+            continue
+        worst = max(worst, abs(a - b) / max(abs(a), 1e-30))
+    return worst
+
+
+def same_state_dicts(a: dict, b: dict) -> list[str]:
+    """Differences between two state_dicts' ``state`` tensors and ``param_groups``."""
+    bad = []
+    if a["param_groups"] != b["param_groups"]:
+        bad.append("param_groups differ")
+    if a["state"].keys() != b["state"].keys():
+        return bad + [f"state keys {sorted(a['state'])} vs {sorted(b['state'])}"]
+    for i, st in a["state"].items():
+        for k, v in st.items():
+            w = b["state"][i].get(k)
+            if isinstance(v, torch.Tensor):
+                if not isinstance(w, torch.Tensor) or not same_bits(v.cpu(), w.cpu()):
+                    bad.append(f"state[{i}][{k!r}] differs")
+            elif v != w:
+                bad.append(f"state[{i}][{k!r}]: {v!r} vs {w!r}")
+    return bad
+
+
+@contextlib.contextmanager
+def delayed_side(cycles: int = SLEEP_CYCLES):
+    """``CudaCopier.side`` queues ``torch.cuda._sleep(cycles)`` on the side stream right after
+    the original has ordered it behind the compute stream, i.e. before every side-stream copy.
+    Yields a dict whose "entered" counts the copies delayed (0 would mean the engine no longer
+    copies through ``side()``, and the delay proved nothing)."""
+    original = CudaCopier.side
+    count = {"entered": 0}
+
+    @contextlib.contextmanager
+    def side(self):
+        with original(self):
+            count["entered"] += 1
+            if cycles:
+                torch.cuda._sleep(cycles)  # on the side stream: the current one here
+            yield
+
+    CudaCopier.side = side
+    try:
+        yield count
+    finally:
+        CudaCopier.side = original

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""scripts/run_clm.py --bf16 with --zero_offload against the stock Trainer, on CUDA.
+
+Trains a ~100M-parameter Llama from a config (12 layers of width 768) for --steps steps on
+run_clm's built-in corpus (the standard library's sources, a tokenizer trained on them), the
+same command once with and once without ``--zero_offload``, each in its own process and with
+the same seed. Passes when the final logged loss (the mean of the last --logging_steps steps)
+of the two runs is within --max_rel (1%) and both runs' loss fell; prints both losses and
+both runs' peak device memory (``torch.cuda.max_memory_allocated()``) as ``summary:`` lines.
+
+The stock Trainer keeps fp32 weights under bf16 autocast; ZeRO-Offload keeps bf16 weights on
+the device and fp32 master weights on the host. The runs therefore differ by bf16 roundings
+only, not bitwise.
+
+run_clm.py prepares its data with the ``datasets`` library. Where that is not installed (the
+GPU machines of this project: .library/device/KINDS.md), each run replaces run_clm's two data
+functions, ``load_texts`` and ``tokenize_blocks``, by list-based stand-ins that produce the
+same blocks for the built-in corpus (tests/test_gpu_scripts.py compares them with the real
+ones); the model, the Trainer and the engine are run_clm's own. The summary says which path ran.
+
+Needs CUDA (the runs themselves, ``--child``, also run on the CPU: the test suite does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import _gpu_common as common
+import torch
+
+SCRIPT = "gpu_clm_compare.py"
+HERE = os.path.dirname(os.path.abspath(__file__))
+# 12 x (4 x 768^2 attention + 3 x 768 x 2432 MLP) + 2 x 2048 x 768 embeddings and head:
+# 98.7M params with run_clm's 2048-entry tokenizer. head_dim is given: LlamaConfig() fixes it
+# at 128 from its own defaults, and update_from_string does not recompute it (127M then).
+LLAMA_100M = ("hidden_size=768,intermediate_size=2432,num_hidden_layers=12,"
+              "num_attention_heads=12,num_key_value_heads=12,head_dim=64,"
+              "max_position_embeddings=512")
+GROUP_ROWS = 1000  # datasets' Dataset.map(batched=True) default batch size
+
+
+# ------------------------------------------------------------ data without `datasets`
+class Rows(torch.utils.data.Dataset):
+    """What run_clm and the Trainer use of a ``datasets.Dataset``: ``len``, rows as dicts,
+    a column by name, ``column_names`` and ``select``."""
+
+    def __init__(self, columns: dict[str, list]):
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.columns[key]
+        return {name: values[key] for name, values in self.columns.items()}
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.columns)
+
+    def select(self, indices) -> Rows:
+        idx = list(indices)
+        return Rows({name: [values[i] for i in idx] for name, values in self.columns.items()})
+
+
+def load_texts_without_datasets(data) -> dict:
+    """run_clm.load_texts for the built-in corpus: the same train / validation split as
+    ``train_test_split(test_size=pct / 100, shuffle=False)`` (the test share rounded up)."""
+    if data.dataset_name or data.train_file:
+        raise SystemExit(f"{SCRIPT}: --dataset_name / --train_file need the datasets library, "
+                         f"which is not installed; only the built-in corpus works without it")
+    from hf_zoffload.integrations import defaults  # transformers: not for a run without CUDA
+
+    pct = data.validation_split_percentage
+    if not 0 < pct < 100:
+        raise ValueError(f"--validation_split_percentage must be in 1..99, got {pct}")
+    docs = defaults.stdlib_corpus(max_mb=data.corpus_mb)
+    n_train = len(docs) - math.ceil(len(docs) * pct / 100)
+    return {"train": Rows({data.text_column: docs[:n_train]}),
+            "validation": Rows({data.text_column: docs[n_train:]})}
+
+
+def tokenize_blocks_without_datasets(raw, tokenizer, *, column: str, block_size: int, args):
+    """run_clm.tokenize_blocks on `Rows`: documents end with EOS, are joined end to end per
+    batch of 1000 documents (as its batched map does) and cut into ``block_size`` blocks."""
+    eos = tokenizer.eos_token_id
+    out = {}
+    for split, rows in raw.items():
+        texts = rows[column]
+        ids = []
+        for i in range(0, len(texts), GROUP_ROWS):
+            batch = tokenizer(texts[i:i + GROUP_ROWS], verbose=False)["input_ids"]
+            ids += [x + [eos] if eos is not None else x for x in batch]
+        blocks = []
+        for i in range(0, len(ids), GROUP_ROWS):
+            flat = [t for x in ids[i:i + GROUP_ROWS] for t in x]
+            n = len(flat) // block_size * block_size
+            blocks += [flat[j:j + block_size] for j in range(0, n, block_size)]
+        out[split] = Rows({"input_ids": blocks, "labels": [list(b) for b in blocks]})
+    return out
+
+
+def load_run_clm():
+    """scripts/run_clm.py as a module (this directory is on sys.path, as the script's own).
+    Imported on use: it imports transformers, which a run without CUDA need not wait for."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    return importlib.import_module("run_clm")
+
+
+def have_datasets() -> bool:
+    return importlib.util.find_spec("datasets") is not None
+
+
+# ------------------------------------------------------------------------ one run
+def child(result_path: str, argv: list[str], *, use_datasets: bool) -> None:
+    """Run run_clm.main(argv) in this process; write its losses, parameter count, peak
+    device memory and seconds to ``result_path`` (JSON)."""
+    run_clm = load_run_clm()
+    if not use_datasets:
+        run_clm.load_texts = load_texts_without_datasets
+        run_clm.tokenize_blocks = tokenize_blocks_without_datasets
+    info = {}
+    build_model = run_clm.build_model
+
+    def counting_build_model(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        info["n_params"] = model.num_parameters()
+        return model
+
+    run_clm.build_model = counting_build_model
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    results = run_clm.main(argv)
+    seconds = time.perf_counter() - t0
+    output_dir = argv[argv.index("--output_dir") + 1]
+    with open(os.path.join(output_dir, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    with open(result_path, "w") as f:
+        json.dump({"losses": [[e["step"], e["loss"]] for e in history if "loss" in e],
+                   "train_loss": results.get("train_loss"), "n_params": info.get("n_params"),
+                   "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                   "seconds": seconds, "datasets": use_datasets}, f)
+
+
+def run_clm_args(output_dir: str, *, offload: bool, steps: int, overrides: str,
+                 block_size: int, batch: int, lr: float, seed: int, logging_steps: int,
+                 bf16: bool = True, extra=()) -> list[str]:
+    args = ["--model_type", "llama", "--config_overrides", overrides, "--do_train",
+            "--max_steps", str(steps), "--per_device_train_batch_size", str(batch),
+            "--block_size", str(block_size), "--learning_rate", str(lr),
+            "--warmup_steps", str(max(1, steps // 10)), "--logging_steps", str(logging_steps),
+            "--save_strategy", "no", "--report_to", "none", "--seed", str(seed),
+            "--dataloader_num_workers", "0", "--disable_tqdm", "true",
+            "--output_dir", output_dir, *extra]
+    if bf16:
+        args.append("--bf16")
+    if offload:
+        args.append("--zero_offload")
+    return args
+
+
+def run_pair(work: str, *, use_datasets: bool, timeout: float, **kwargs) -> tuple[dict, list]:
+    """Both runs, one after the other, each in a process of its own (its own peak memory).
+    Returns ({"stock": result, "zero_offload": result}, failures)."""
+    results, failures = {}, []
+    for name, offload in (("stock", False), ("zero_offload", True)):
+        out, res = os.path.join(work, name), os.path.join(work, f"{name}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", res,
+               *(["--no_datasets"] if not use_datasets else []), "--",
+               *run_clm_args(out, offload=offload, **kwargs)]
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        try:
+            rc = subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            failures.append(f"{name}: still running after {timeout:.0f} s")
+            continue
+        if rc != 0 or not os.path.exists(res):
+            failures.append(f"{name}: run_clm exited {rc}")
+            continue
+        with open(res) as f:
+            results[name] = json.load(f)
+    return results, failures
+
+
+def compare_runs(stock: dict, offload: dict, *, max_rel: float) -> tuple[list[str], list[str]]:
+    """(summary lines, failures): final losses within ``max_rel``, both having fallen."""
+    failures = []
+    runs = (("stock Trainer --bf16", stock), ("--zero_offload --bf16", offload))
+    for name, r in runs:
+        if len(r.get("losses") or []) < 2:
+            failures.append(f"{name}: fewer than 2 logged losses")
+        elif not r["losses"][-1][1] < r["losses"][0][1]:
+            failures.append(f"{name}: the loss did not fall ({r['losses'][0][1]:.4f} -> "
+                            f"{r['losses'][-1][1]:.4f})")
+    if failures:
+        return [], failures
+    (s_step, s_loss), (o_step, o_loss) = stock["losses"][-1], offload["losses"][-1]
+    rel = abs(o_loss - s_loss) / abs(s_loss)
+    if s_step != o_step:
+        failures.append(f"the runs logged their last loss at steps {s_step} and {o_step}")
+    if not rel <= max_rel:
+        failures.append(f"final losses {s_loss:.4f} (stock) and {o_loss:.4f} (zero_offload) "
+                        f"differ by {rel:.2%}, more than {max_rel:.0%}")
+
+    def mem(r):
+        return common.human_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
+
+    rows = [[name, f"{(r.get('n_params') or 0) / 1e6:.1f}M", f"{r['losses'][0][1]:.4f}",
+             f"{r['losses'][-1][1]:.4f} (step {r['losses'][-1][0]})",
+             f"{r['train_loss']:.4f}" if r.get("train_loss") is not None else "n/a",
+             mem(r), f"{r['seconds']:.0f}"] for name, r in runs]
+    lines = common.md_table(["run", "params", "first logged loss", "final loss",
+                             "mean train loss", "peak device memory", "s"], rows)
+    ratio = ""
+    if stock.get("peak_bytes") and offload.get("peak_bytes"):
+        ratio = (f"; peak device memory: zero_offload "
+                 f"{offload['peak_bytes'] / stock['peak_bytes']:.2f}x the stock run's")
+    data = "datasets" if stock.get("datasets") else "the list-based stand-in (no datasets)"
+    lines += ["", f"final losses differ by {rel:.2%} (limit {max_rel:.0%}){ratio}; data "
+                  f"prepared by {data}"]
+    return lines, failures
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--max_rel", type=float, default=0.01,
+                   help="largest relative difference of the final losses")
+    p.add_argument("--config_overrides", default=LLAMA_100M)
+    p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--logging_steps", type=int, default=10)
+    p.add_argument("--run_timeout", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--work_dir", default=None,
+                   help="where the runs write (default: a temporary directory, removed)")
+    p.add_argument("--no_datasets", action="store_true",
+                   help="use the stand-in data functions even where datasets is installed")
+    p.add_argument("--child", metavar="RESULT_JSON", default=None,
+                   help="internal: run run_clm.py with the arguments after '--' in this "
+                        "process and write its figures to RESULT_JSON")
+    p.add_argument("run_clm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    use_datasets = have_datasets() and not args.no_datasets
+    if args.child:
+        rest = args.run_clm_args[1:] if args.run_clm_args[:1] == ["--"] else args.run_clm_args
+        child(args.child, rest, use_datasets=use_datasets)
+        return 0
+    common.require_cuda(SCRIPT)
+    work = args.work_dir or tempfile.mkdtemp(prefix="gpu_clm_compare_",
+                                              dir=os.environ.get("SCRATCH") or None)
+    try:
+        results, failures = run_pair(
+            work, use_datasets=use_datasets, timeout=args.run_timeout, steps=args.steps,
+            overrides=args.config_overrides, block_size=args.block_size, batch=args.batch,
+            lr=args.lr, seed=args.seed, logging_steps=args.logging_steps)
+        lines = []
+        if not failures:
+            lines, failures = compare_runs(results["stock"], results["zero_offload"],
+                                           max_rel=args.max_rel)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    for line in lines:
+        common.summary(line)
+    for f in failures:
+        common.summary(f"**{f}**")
+    if failures:
+        print(f"{SCRIPT}: FAIL: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    print(f"{SCRIPT}: PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
