@@ -125,14 +125,17 @@ class Bucket:
         return self.state.grads.acc if self.window.landed > 1 else self.window.last
 
     def fold(self, copier) -> None:
-        """Before new grads land: move the last landed ones into the fp32 sum."""
+        """Before new grads land: move the last landed ones into the fp32 sum, once they
+        have landed (on CUDA on the copier's host-work thread; the next copy into the same
+        buffer and any wait for this bucket wait for it)."""
         w, g = self.window, self.state.grads
         if not w.landed:
             return
-        copier.wait_landed(self.layout.index)
         if g.acc is None:
             g.acc = torch.empty(self.layout.shard, dtype=torch.float32)
-        (g.acc.copy_ if w.landed == 1 else g.acc.add_)(w.last)
+        acc, last, first = g.acc, w.last, w.landed == 1
+        copier.after_landed(self.layout.index,
+                            lambda: (acc.copy_ if first else acc.add_)(last))
 
     def new_params(self) -> torch.Tensor | None:
         """The host buffer holding this shard's new params after the CPU-Adam: the staging

@@ -64,7 +64,7 @@ class AsyncCopier:
         self._held = threading.Event()
         self._held.set()
         self.counts = dict.fromkeys(("jobs", "chunked", "to_host", "to_device", "to_params",
-                                     "to_flat"), 0)
+                                     "to_flat", "after_landed"), 0)
         self._thread = threading.Thread(target=self._work, name="async-copier", daemon=True)
         self._thread.start()
         _live.add(self)
@@ -157,6 +157,13 @@ class AsyncCopier:
 
     def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
         seq = self._enqueue("to_host", lambda: self._copy(dst, src), src, *keep)
+        with self._cv:
+            self._landed[key] = seq
+
+    def after_landed(self, key: int, fn) -> None:
+        # host work after the landed copy: a job behind it, in order, so the next copy into
+        # the same buffer follows it; wait_landed(key) waits for it
+        seq = self._enqueue("after_landed", fn)
         with self._cv:
             self._landed[key] = seq
 

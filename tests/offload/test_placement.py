@@ -182,3 +182,31 @@ def test_cpu_timings_are_named_for_what_they_measure():
     _train(model, opt, 2)
     assert set(opt.timings) == {"fwd_bwd", "grad_wait", "cpu_adam", "upload_host"}
     assert opt.timings["cpu_adam"] > 0
+
+
+def test_host_work_runs_off_the_caller_and_is_waited_per_key(monkeypatch):
+    """CudaCopier's host-work thread (the fold of a micro-step's grads after they land),
+    without a GPU: set_device is recorded, events are None (already landed)."""
+    import time
+
+    from hf_zoffload.offload import copier
+
+    devices = []
+    monkeypatch.setattr(copier.torch.cuda, "set_device", devices.append)
+    work = copier._HostWork(torch.device("cuda", 1))
+    done, caller = [], threading.current_thread()
+
+    def slow():
+        time.sleep(0.2)
+        done.append(threading.current_thread() is not caller)
+
+    t0 = time.perf_counter()
+    work.submit(7, None, slow)
+    assert time.perf_counter() - t0 < 0.1 and not done  # the caller did not wait
+    work.wait(8)  # another key: nothing to wait for
+    assert not done
+    work.wait(7)
+    assert done == [True] and devices == [torch.device("cuda", 1)]
+    work.submit(7, None, lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="host work after a device-to-host copy failed"):
+        work.wait(7)
