@@ -57,6 +57,19 @@ def summary(line: str) -> None:
     print(SUMMARY_PREFIX + line, flush=True)
 
 
+def finish(script: str, lines: list[str], failures: list[str], *, label: str = "") -> int:
+    """Print the figures and failures as summary lines, then PASS / FAIL; the exit code."""
+    for line in lines:
+        summary(line)
+    for f in failures:
+        summary(f"**{label}** {f}" if label else f"**{f}**")
+    if failures:
+        print(f"{script}: FAIL: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    print(f"{script}: PASS")
+    return 0
+
+
 def md_table(header: list[str], rows: list[list]) -> list[str]:
     """Markdown table lines: header, separator, rows (cells formatted with str)."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]

@@ -279,15 +279,7 @@ def main(argv=None) -> int:
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    for line in lines:
-        common.summary(line)
-    for f in failures:
-        common.summary(f"**{f}**")
-    if failures:
-        print(f"{SCRIPT}: FAIL: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    print(f"{SCRIPT}: PASS")
-    return 0
+    return common.finish(SCRIPT, lines, failures)
 
 
 if __name__ == "__main__":

@@ -179,15 +179,7 @@ def main(argv=None) -> int:
         print(f"note: {facts['staging_unpinned']} staging buffers are not pinned "
               f"(pinning failed?)")
     lines, failures = verdict(report, stats, facts, engine_pins=pins)
-    for line in lines:
-        common.summary(line)
-    for f in failures:
-        common.summary(f"**inconsistent:** {f}")
-    if failures:
-        print(f"{SCRIPT}: FAIL: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    print(f"{SCRIPT}: PASS")
-    return 0
+    return common.finish(SCRIPT, lines, failures, label="inconsistent:")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,21 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
 MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
+class TokenBlocks(torch.utils.data.Dataset):
+    """Fixed random token blocks for a Trainer; every label counts (no padding), so losses
+    are plain means."""
+
+    def __init__(self, n: int, *, vocab: int, seq: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def batches(n: int, *, batch: int = 2, seq: int = 16, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]

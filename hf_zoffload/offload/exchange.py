@@ -14,8 +14,9 @@ all-gather). Tensor parallelism will be a third. The interface, in the order a s
   device buffer (``b.window.pending``) its hooks write into; ``flush(b)`` sends a complete
   one on its way; ``end_backward(ended)`` after every bucket of a backward is flushed.
 - ``end_window()`` before a step reads the window's grads; ``complete()`` finishes whatever
-  is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag, sumsq)`` makes the overflow flag, the
-  squared norm and which params got a gradient the same on every rank.
+  is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag,
+  sumsq)`` makes the overflow flag, the squared norm and which params got a gradient the
+  same on every rank.
 - ``publish(b)`` uploads a bucket's new params after its CPU-Adam; ``finish_publish()``
   after the last one.
 - ``gather_state(b, to)``: (master, exp_avg, exp_avg_sq) of the whole bucket on rank ``to``

@@ -27,19 +27,6 @@ def _load_script():
     return module
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    """No HF_ZOFFLOAD_* from the caller, and a new accelerate state per test (it is a
-    process-wide singleton that refuses a second mixed_precision)."""
-    for key in [k for k in __import__("os").environ if k.startswith("HF_ZOFFLOAD_")]:
-        monkeypatch.delenv(key)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def _tiny(n_in=8, n_out=4, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(n_in, 16), torch.nn.Tanh(),

@@ -5,7 +5,6 @@ params join the compute dtype and keep their values, the trained ones move. Both
 the engine in with the same wrapper class and the same clip route."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -16,35 +15,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin, prepare_zero_offload
 from hf_zoffload.integrations import core
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+from tests._tiny import TokenBlocks
 
 VOCAB, SEQ, STEPS = 64, 16, 3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE = 2.0**10  # a loss scale this model's fp16 grads survive (no skipped step)
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    """No HF_ZOFFLOAD_* from the caller, and a new accelerate state per test (a process-wide
-    singleton that refuses a second mixed_precision)."""
-    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
-        monkeypatch.delenv(key)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+def Tokens(n=16, seed=0):  # noqa: N802 (was a class; same calls)
+    return TokenBlocks(n, vocab=VOCAB, seq=SEQ, seed=seed)
 
 
 def frozen_mlp_gpt2():

@@ -136,7 +136,8 @@ def _fp16_engine(**plugin):
 
 
 def _host_state(opt):
-    return [t.clone() for b in opt.buckets for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
+    return [t.clone() for b in opt.buckets
+            for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2])
