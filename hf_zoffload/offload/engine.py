@@ -29,27 +29,18 @@ from ..ops.cpu_adam import check_hyper
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
-from .collectives import resolve_group
 from .copier import make_copier
 from .delayed import DelayedUpdate
-from .exchange import LocalExchange
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import engine_report
-from .partitioned import PartitionedExchange
+from .params import ParamWatch, check_placement
+from .partitioned import make_exchange
 from .state import Bucket, place
 from .support import enclosing_backward_node
 from .update import Work, cpu_threads, plan, run
 
 logger = logging.getLogger(__name__)
-
-
-def make_exchange(process_group, *, device, copier, dtype, engine_sync):
-    group = resolve_group(process_group, device)
-    if group is None:
-        return LocalExchange(copier)
-    return PartitionedExchange(group, device=device, copier=copier, dtype=dtype,
-                               engine_sync=engine_sync)
 
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
@@ -157,7 +148,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.timings = {"fwd_bwd": 0.0, "grad_wait": 0.0, "cpu_adam": 0.0, "upload_host": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
-        self._note_written()
+        self._watch = ParamWatch(self.buckets)
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook)
                        for s in slots]
 
@@ -185,7 +176,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         b, i, lo, hi, n_slots = self._where[p]
         w = b.window
         if not self._in_backward:
-            self._check_placement()
+            check_placement(self.buckets, self.device, self.dtype)
             self._in_backward = True
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end.
@@ -274,61 +265,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._clip = float(max_norm)
         return torch.tensor(self._finalize()[1])
 
-    # ------------------------------------------------- the params as the model has them
-    def _slots(self):
-        return (s for b in self.buckets for s in b.layout.slots)
-
-    def _check_placement(self) -> None:
-        """Params moved or recast after the engine was built (``model.cuda()`` or
-        ``model.half()`` after creating the optimizer, the Trainer with
-        ``place_model_on_device=False``) would be written through the wrong kind of pointer:
-        a host kernel into device memory. Refuse before any work."""
-        for s in self._slots():
-            p = s.param
-            if p.device != self.device or p.dtype != self.dtype:
-                raise RuntimeError(
-                    f"param {s.index} is now {p.dtype} on {p.device}, but the ZeRO-Offload "
-                    f"optimizer was built for {self.dtype} params on {self.device}: build the "
-                    "optimizer after moving the model to its device (and let the optimizer "
-                    "cast it to the compute dtype)")
-
-    def _note_written(self) -> None:
-        """Remember each param's version counter and storage after the engine wrote it."""
-        self._written = {s.index: (s.param._version, s.param.data_ptr()) for s in self._slots()}
-
-    def _adopt_param_edits(self) -> None:
-        """Weights put into the params from outside since the engine last wrote them
-        (``model.load_state_dict``, ``param.copy_``, a new ``param.data``) become the master
-        weights of those params; the moments and step counts stay, as a torch optimizer's
-        do. Without this the next upload would bring the stale masters back. An in-place
-        edit through ``param.data`` bumps no version counter and is not seen."""
-        edited = {s.index for s in self._slots()
-                  if (s.param._version, s.param.data_ptr()) != self._written[s.index]}
-        if not edited:
-            return
-        if self.update_in_flight:
-            raise RuntimeError(
-                f"{len(edited)} param(s) were changed from outside while a delayed update was "
-                "in flight; it would overwrite them. Call optimizer.flush() before loading "
-                "weights into the model")
-        for b in self.buckets:
-            for s in b.layout.slots:
-                if s.index in edited:
-                    own, mine = b.layout.owned(s)
-                    new = s.param.detach().reshape(-1)[mine]
-                    b.state.master[own].copy_(new)
-                    if b.state.staging is not None:
-                        b.state.staging[own].copy_(new)
-        self._note_written()
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_placement()
-        self._adopt_param_edits()
+        check_placement(self.buckets, self.device, self.dtype)
+        self._watch.adopt_edits(update_in_flight=self.update_in_flight)
         t_start = time.perf_counter()
         if self._t_step_end is not None:
             self.timings["fwd_bwd"] = t_start - self._t_step_end
@@ -357,7 +301,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self._start_delayed(work)
             else:
                 self._run(work, upload=True)
-                self._note_written()
+                self._watch.note_written()
         self._reset_window()
         self._t_step_end = time.perf_counter()
         return loss
@@ -396,7 +340,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             for b in self.buckets:
                 self.exchange.publish(b)
             self.timings["upload_host"] = time.perf_counter() - t0 + self._finish_publish()
-            self._note_written()
+            self._watch.note_written()
 
     def _reset_window(self) -> None:
         for b in self.buckets:
@@ -469,4 +413,4 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._drain()
         self._consolidated = None
         checkpoint.load_state_dict(self, state_dict)
-        self._note_written()
+        self._watch.note_written()

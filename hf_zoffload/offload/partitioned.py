@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import Collectives, wants_sync
+from .collectives import Collectives, resolve_group, wants_sync
+from .exchange import LocalExchange
 from .host import HostPool
 from .state import Bucket
 
@@ -274,3 +275,12 @@ class PartitionedExchange:
                                                f"optimizer state to rank {to}")
         return tuple(torch.cat(parts, dim=1).cpu()) if parts is not None else None
 
+
+def make_exchange(process_group, *, device, copier, dtype, engine_sync):
+    """The exchange for ``process_group`` (None: torch.distributed's world, if initialized
+    with more than one rank): `LocalExchange` for one process, else a partitioned one."""
+    group = resolve_group(process_group, device)
+    if group is None:
+        return LocalExchange(copier)
+    return PartitionedExchange(group, device=device, copier=copier, dtype=dtype,
+                               engine_sync=engine_sync)

@@ -1,0 +1,70 @@
+"""The params as the model has them: what may have changed under the engine between steps.
+
+Params moved or recast after the engine was built (``model.cuda()`` or ``model.half()``
+after creating the optimizer, the Trainer with ``place_model_on_device=False``) would be
+written through the wrong kind of pointer, a host kernel into device memory: `check_placement`
+refuses before any work. Weights put into the params from outside since the engine last
+wrote them (``model.load_state_dict``, ``param.copy_``, a new ``param.data``) show in the
+param's version counter or storage (`ParamWatch`) and become the master weights of those
+params; the moments and step counts stay, as a torch optimizer's do. Without this the next
+upload would bring the stale masters back. An in-place edit through ``param.data`` bumps no
+version counter and is not seen (docs/design.md, "What changes under the engine").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import Bucket
+
+
+def _slots(buckets: list[Bucket]):
+    return (s for b in buckets for s in b.layout.slots)
+
+
+def check_placement(buckets: list[Bucket], device: torch.device, dtype: torch.dtype) -> None:
+    for s in _slots(buckets):
+        p = s.param
+        if p.device != device or p.dtype != dtype:
+            raise RuntimeError(
+                f"param {s.index} is now {p.dtype} on {p.device}, but the ZeRO-Offload "
+                f"optimizer was built for {dtype} params on {device}: build the optimizer "
+                "after moving the model to its device (and let the optimizer cast it to the "
+                "compute dtype)")
+
+
+class ParamWatch:
+    """Each param's version counter and storage as the engine last left them."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
+        self.note_written()
+
+    def note_written(self) -> None:
+        """After the engine wrote the params (uploads, a loaded checkpoint)."""
+        self._seen = {s.index: (s.param._version, s.param.data_ptr())
+                      for s in _slots(self.buckets)}
+
+    def edited(self) -> set[int]:
+        return {s.index for s in _slots(self.buckets)
+                if (s.param._version, s.param.data_ptr()) != self._seen[s.index]}
+
+    def adopt_edits(self, *, update_in_flight: bool) -> None:
+        """Edited params' values become their masters (and staging copies)."""
+        edited = self.edited()
+        if not edited:
+            return
+        if update_in_flight:
+            raise RuntimeError(
+                f"{len(edited)} param(s) were changed from outside while a delayed update was "
+                "in flight; it would overwrite them. Call optimizer.flush() before loading "
+                "weights into the model")
+        for b in self.buckets:
+            for s in b.layout.slots:
+                if s.index in edited:
+                    own, mine = b.layout.owned(s)
+                    new = s.param.detach().reshape(-1)[mine]
+                    b.state.master[own].copy_(new)
+                    if b.state.staging is not None:
+                        b.state.staging[own].copy_(new)
+        self.note_written()
