@@ -79,7 +79,7 @@ def _check_dtype(accelerator, plugin) -> None:
             f"{plugin.compute_dtype}: make them agree (or set accelerate's to 'no').")
 
 
-def _engine_from_adam(opt: torch.optim.Optimizer, plugin):
+def _engine_from_adam(opt: torch.optim.Optimizer, plugin, *, order):
     if opt.state:
         raise ValueError(
             f"{type(opt).__name__} has already stepped; its state cannot move to the host: "
@@ -101,7 +101,8 @@ def _engine_from_adam(opt: torch.optim.Optimizer, plugin):
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
     first = groups[0]
     engine = ZeroOffloadOptimizer(groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
-                                  weight_decay=first["weight_decay"], plugin=plugin)
+                                  weight_decay=first["weight_decay"], plugin=plugin,
+                                  param_order=order)
     # Keys a scheduler built on `opt` put in its groups (initial_lr, OneCycleLR's max_lr and
     # min_lr, ...) are read back by that scheduler: they move over. torch's own Adam options
     # stay behind (checked above or meaningless for the CPU-Adam).
@@ -187,7 +188,8 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
             for m in models:
                 if not accelerator.verify_device_map(m):
                     m.to(accelerator.device)
-        engine = _engine_from_adam(old, plugin)
+        # buckets by the models' layers, not by the optimizer's groups
+        engine = _engine_from_adam(old, plugin, order=[p for m in models for p in m.parameters()])
         _repoint_schedulers(objects, old, engine)
     _check_dtype(accelerator, engine.plugin)
     if accelerator.device_placement:

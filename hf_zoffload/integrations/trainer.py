@@ -253,7 +253,8 @@ class ZeroOffloadTrainer(Trainer):
             engine = ZeroOffloadOptimizer(
                 [g for g in groups if g["params"]], lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin())
+                weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin(),
+                param_order=opt_model.parameters())  # buckets by layer, not by group
             # The fp16 loss scaler and the clip route, on this accelerator only: the Trainer
             # clips (and reads grad_norm) through accelerator.clip_grad_norm_(
             # model.parameters(), ...); the grads are on the host by then. replace: with

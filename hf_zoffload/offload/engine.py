@@ -80,7 +80,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     fused_loss_scaling = True  # the scaler protocol: we unscale and check inside step()
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 plugin: ZeroOffloadPlugin | None = None, process_group=None):
+                 plugin: ZeroOffloadPlugin | None = None, process_group=None,
+                 param_order=None):
         check_hyper(lr, betas, eps, weight_decay, where="ZeroOffloadOptimizer")
         if plugin is None:
             plugin = ZeroOffloadPlugin.from_sources()
@@ -94,7 +95,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             "ZeRO-Offload: the CPU-Adam runs on %d thread(s)%s", self.cpu_threads,
             "" if self.cpu_threads > 1 else
             " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
-        slots = collect_slots(self.param_groups)
+        slots = collect_slots(self.param_groups, order=param_order)
         self.device = slots[0].param.device
         self.dtype = plugin.torch_dtype
         pin = self.device.type == "cuda" and plugin.pin_memory

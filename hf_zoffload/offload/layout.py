@@ -103,9 +103,16 @@ class BucketLayout:
             yield self.slots[start:]
 
 
-def collect_slots(param_groups) -> list[Slot]:
-    """A slot per trainable param, in param order (offsets come with the buckets); raises,
-    before anything changes, on a group or param the engine cannot train."""
+def collect_slots(param_groups, *, order=None) -> list[Slot]:
+    """A slot per trainable param (offsets come with the buckets); raises, before anything
+    changes, on a group or param the engine cannot train.
+
+    In ``order`` (the params as the model registers them, ``model.parameters()``), else in
+    the optimizer's param order; params missing from ``order`` follow, in theirs. The order
+    matters: buckets are filled from its end (`build_layouts`). With the Trainer's decay /
+    no-decay groups the optimizer's order puts every layer's norms and biases together, in a
+    bucket that completes only when backward reaches the first layer, and with N ranks a
+    late bucket holds back every reduce-scatter after it (they launch in bucket order)."""
     slots, devices, index = [], set(), 0
     for gi, g in enumerate(param_groups):
         for flag in ("amsgrad", "maximize"):
@@ -129,6 +136,11 @@ def collect_slots(param_groups) -> list[Slot]:
                          + ", ".join(sorted(map(str, devices))))
     if next(iter(devices)).type not in ("cpu", "cuda"):
         raise ValueError(f"params on {next(iter(devices))}: only cpu and cuda are supported")
+    if order is not None:
+        place = {}
+        for p in order:
+            place.setdefault(id(p), len(place))
+        slots.sort(key=lambda s: (place.get(id(s.param), len(place)), s.index))
     return slots
 
 

@@ -451,3 +451,61 @@ class TestBadCheckpointsAndOptions:
         opt.step()
         for b, m in zip(opt.buckets, before):
             torch.testing.assert_close(b.state.exp_avg, m * 0.9, atol=0, rtol=1e-6)
+
+
+def _flush_order(opt):
+    """Bucket indices in the order the exchange flushed them in one backward."""
+    order, flush = [], opt.exchange.flush
+    opt.exchange.flush = lambda b: (order.append(b.layout.index), flush(b))[1]
+    return order
+
+
+def _inversions(order):
+    return sum(a > b for i, a in enumerate(order) for b in order[i + 1:])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_param_order_makes_buckets_complete_in_index_order(name):
+    """With the Trainer's decay / no-decay groups the optimizer's order puts every layer's
+    norms and biases in the first bucket, which completes only at the end of backward (and
+    with N ranks holds back every later reduce-scatter). In the model's order buckets are
+    layers from the last one down: GPT-2 (params registered in the order they are used)
+    completes them in index order; Llama registers each layer's norms after its MLP, so a
+    bucket holding an input norm still completes one bucket late."""
+    ids = batches(1)[0]
+    orders = {}
+    for how in ("optimizer", "model"):
+        model = MODELS[name]()
+        opt = ZeroOffloadOptimizer(
+            decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(compute_dtype="fp32",
+                                                                 bucket_size_mb=0.006),
+            param_order=model.parameters() if how == "model" else None)
+        assert len(opt.buckets) > 3
+        flushed = _flush_order(opt)
+        model(input_ids=ids, labels=ids).loss.backward()
+        orders[how] = flushed
+        assert sorted(flushed) == list(range(len(opt.buckets)))
+    # the mixed bucket 0 waits for the first layer: most buckets complete before it
+    assert orders["optimizer"].index(0) > len(orders["optimizer"]) // 2
+    assert _inversions(orders["model"]) < _inversions(orders["optimizer"])
+    if name == "gpt2":
+        assert orders["model"] == sorted(orders["model"])
+
+
+def test_param_order_changes_placement_not_results():
+    data = batches(3)
+    params = []
+    for order in (False, True):
+        model = tiny_gpt2()
+        opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(
+            compute_dtype="fp32", bucket_size_mb=0.02),
+            param_order=model.parameters() if order else None)
+        for ids in data:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        sd = opt.state_dict()
+        assert sorted(sd["state"]) == list(range(len(sd["state"])))  # torch's keys
+    for a, b in zip(*params):
+        assert torch.equal(a, b)
