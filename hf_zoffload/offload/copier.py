@@ -148,7 +148,7 @@ class CudaCopier:
             yield
 
     def _start(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=True)  # nobody waits on it; uniform
         ev.record(self.stream)
         return ev
 

@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import time
+import weakref
 
 import torch
 from torch.autograd import Variable
@@ -41,6 +42,19 @@ from .support import enclosing_backward_node
 from .update import Work, cpu_threads, plan, run
 
 logger = logging.getLogger(__name__)
+
+
+def _weak_hook(ref):
+    def hook(p):
+        engine = ref()
+        if engine is not None:
+            engine._grad_hook(p)
+    return hook
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
@@ -150,8 +164,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._t_step_end: float | None = None
         self._reset_window()
         self._watch = ParamWatch(self.buckets)
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_hook)
-                       for s in slots]
+        # Through a weak reference: the params hold their hooks in C++, where Python's cycle
+        # collector cannot see a param -> hook -> engine -> param cycle, so a bound method
+        # here kept every engine (device params, pinned pool, threads) alive for good.
+        hook = _weak_hook(weakref.ref(self))
+        self._hooks = [s.param.register_post_accumulate_grad_hook(hook) for s in slots]
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # ------------------------------------------------------------- public facts
     @property

@@ -210,3 +210,22 @@ def test_host_work_runs_off_the_caller_and_is_waited_per_key(monkeypatch):
     work.submit(7, None, lambda: 1 / 0)
     with pytest.raises(RuntimeError, match="host work after a device-to-host copy failed"):
         work.wait(7)
+
+
+def test_a_dropped_engine_is_freed_and_unhooks_its_params():
+    """The params hold their grad hooks in C++, out of sight of the cycle collector: the
+    hooks reach the engine through a weak reference, so dropping it frees it (device
+    params' host state, pinned pool, threads) and leaves plain torch behaviour."""
+    import gc
+    import weakref
+
+    model = tiny_gpt2()
+    opt = _engine(model)
+    _train(model, opt, 1)
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())  # no hook took them
