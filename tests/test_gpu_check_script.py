@@ -12,23 +12,17 @@ import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from tests._env import cpu_only_env
+
 ROOT = Path(__file__).resolve().parents[1]
 # A module whose only gpu test is test_gpu_scale_tensors_refresh_without_sync; cheap to collect.
 GPU_TEST_FILE = "tests/optim/test_loss_scaler.py"
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_ZOFFLOAD_REQUIRE_GPU", "TRITON_INTERPRET", "OUT", "PYTHON")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
-
-
 def _run_script(tmp_path, python):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
-                          env=_env(OUT=str(out), PYTHON=python), capture_output=True,
+                          env=cpu_only_env(OUT=str(out), PYTHON=python), capture_output=True,
                           text=True, timeout=60)
     return proc, out
 
@@ -57,7 +51,7 @@ def _pytest(tmp_path, args, **env):
     xml = tmp_path / f"report{len(list(tmp_path.glob('report*.xml')))}.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={xml}",
-         *args], cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=120)
+         *args], cwd=ROOT, env=cpu_only_env(**env), capture_output=True, text=True, timeout=120)
     outcomes = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import subprocess
 import sys
@@ -32,16 +31,10 @@ import gpu_host_memory  # noqa: E402
 import gpu_nccl_one_rank  # noqa: E402
 import gpu_race  # noqa: E402
 
+from tests._env import cpu_only_env  # noqa: E402
+
 GPU_SCRIPTS = ["gpu_race.py", "gpu_nccl_one_rank.py", "gpu_host_memory.py",
                "gpu_clm_compare.py"]
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_ZOFFLOAD_REQUIRE_GPU", "OUT", "PYTHON", "TORCH_CUDA_SANITIZER")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
 
 
 # ------------------------------------------------------------------ without CUDA
@@ -49,7 +42,8 @@ def test_a_gpu_script_run_without_cuda_exits_1_saying_so(tmp_path):
     """From the command line, as gpu_check.sh runs it (one script: each costs ~6 s of imports
     on 2 cores; the in-process test below covers every script's main())."""
     proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_race.py"), "--short"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=cpu_only_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert "gpu_race.py: CUDA is needed: torch " in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
@@ -352,7 +346,7 @@ def _gpu_check(tmp_path, **env):
     fake.chmod(0o755)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], cwd=tmp_path,
-                          env=_env(OUT=str(out), PYTHON=str(fake), TMPDIR=str(tmp_path),
+                          env=cpu_only_env(OUT=str(out), PYTHON=str(fake), TMPDIR=str(tmp_path),
                                    **env),
                           capture_output=True, text=True, timeout=120)
     return proc, out

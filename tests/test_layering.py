@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[1] / "hf_zoffload"
 # offload/ in dependency order: a file may import only files listed before it.
 OFFLOAD_ORDER = ["support", "layout", "host", "copier", "state", "exchange", "collectives",
                  "partitioned", "delayed", "update", "params", "memory", "checkpoint",
-                 "engine"]
+                 "hooks", "engine"]
 
 
 def _module(path: Path) -> str:

@@ -20,10 +20,8 @@ import functools
 import logging
 import math
 import time
-import weakref
 
 import torch
-from torch.autograd import Variable
 
 from ..config import ZeroOffloadPlugin
 from ..ops.cpu_adam import check_hyper
@@ -32,29 +30,16 @@ from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
 from .copier import make_copier
 from .delayed import DelayedUpdate
+from .hooks import queue_at_backward_end, register_grad_hooks
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import engine_report
 from .params import ParamWatch, check_placement
 from .partitioned import make_exchange
 from .state import Bucket, place
-from .support import enclosing_backward_node
 from .update import Work, cpu_threads, plan, run
 
 logger = logging.getLogger(__name__)
-
-
-def _weak_hook(ref):
-    def hook(p):
-        engine = ref()
-        if engine is not None:
-            engine._grad_hook(p)
-    return hook
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
@@ -154,22 +139,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.grad_norm: float | None = None
         self.last_step_skipped = False
         self.skipped_steps = 0
-        # Seconds per step, each named for what it measures (host wall time unless "copy"):
-        # fwd_bwd: between two steps (forward, backward, the loop's own work); grad_wait:
-        # step() waiting for the window's grads to reach the host; cpu_adam: the CPU-Adam
-        # kernel; upload_host: publishing the new params (CPU: the copies; CUDA: queueing
-        # them); on CUDA also d2h_copy / h2d_copy: the side stream's copy time of the
-        # previous step, from CUDA events read without a sync.
+        # Seconds of the last step, each named for what it measures (docs/design.md,
+        # "Timings"); on CUDA also d2h_copy / h2d_copy, from events.
         self.timings = {"fwd_bwd": 0.0, "grad_wait": 0.0, "cpu_adam": 0.0, "upload_host": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
         self._watch = ParamWatch(self.buckets)
-        # Through a weak reference: the params hold their hooks in C++, where Python's cycle
-        # collector cannot see a param -> hook -> engine -> param cycle, so a bound method
-        # here kept every engine (device params, pinned pool, threads) alive for good.
-        hook = _weak_hook(weakref.ref(self))
-        self._hooks = [s.param.register_post_accumulate_grad_hook(hook) for s in slots]
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
 
     # ------------------------------------------------------------- public facts
     @property
@@ -198,8 +174,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             check_placement(self.buckets, self.device, self.dtype)
             self._in_backward = True
             self.exchange.begin_backward()
-            # Buckets with a param that got no grad never complete: flush them at the end.
-            self._queue_end()
+            # Buckets with a param that got no grad never complete: flush them at the end
+            # of the outermost backward (hooks.py: reentrant checkpointing nests backwards).
+            queue_at_backward_end(self._end_backward)
         if w.pending is None:
             if self._final is not None:
                 raise RuntimeError("backward after clip_grad_norm_() and before step(): "
@@ -212,21 +189,6 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         w.arrived += 1
         if w.arrived == n_slots:
             self.exchange.flush(b)
-
-    def _queue_end(self, *_hook_args) -> None:
-        """Run `_end_backward` once, when the outermost backward ends. A grad hook inside
-        reentrant activation checkpointing runs in a nested backward (one per checkpointed
-        block, started by the block's autograd Function); a callback queued there fires at
-        the end of that block, and partial buckets would be flushed once per block (a second
-        landing: the fp32 accumulation path, and with N ranks a reduce-scatter of every
-        bucket per block). So the callback is queued only where no Function's backward is
-        running; else a post hook on that Function's node (it runs in the enclosing
-        backward, once the node is done) tries again from there."""
-        node = enclosing_backward_node()
-        if node is None:
-            Variable._execution_engine.queue_callback(self._end_backward)
-        else:
-            node.register_hook(self._queue_end)
 
     def _check(self, buf) -> None:
         inv = self.loss_scaler.inv_scale_tensor(self.device) if self.loss_scaler.is_enabled() \

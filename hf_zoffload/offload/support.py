@@ -7,10 +7,7 @@ wrapped in DistributedDataParallel are refused here, with the reason, before any
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from torch.autograd.function import BackwardCFunction
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -25,23 +22,6 @@ def _why_unsupported(p: torch.Tensor) -> str | None:
                 "tp_plan / tp_size or torch's fully_shard)")
     if getattr(p, "_is_flat_param", False):
         return "FSDP (the param is an FSDP FlatParameter)"
-    return None
-
-
-_APPLY = BackwardCFunction.apply.__code__
-
-
-def enclosing_backward_node():
-    """The autograd Function node whose backward is running on this thread's stack (the
-    innermost), or None. Inside it, a backward runs nested in the enclosing one: this is
-    how reentrant activation checkpointing (``use_reentrant=True``) computes each block's
-    gradients. Read from the Python frames: ``BackwardCFunction.apply`` is the Python entry
-    of every Function's backward, with the node as ``self``."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _APPLY:
-            return frame.f_locals["self"]
-        frame = frame.f_back
     return None
 
 

@@ -1,0 +1,68 @@
+"""The engine's places in autograd: its grad hooks, and the end of a backward.
+
+Grad hooks reach the engine through a weak reference. The params hold their hooks in C++,
+where Python's cycle collector cannot see a param -> hook -> engine -> param cycle, so a bound
+method there kept every engine (device params, pinned pool, threads) alive for good; a
+finalizer removes the hooks when the engine goes.
+
+The end of a backward: a grad hook inside reentrant activation checkpointing runs in a nested
+backward (one per checkpointed block, started by the block's autograd Function). A callback
+queued there fires at the end of that block, and partial buckets would be flushed once per
+block (a second landing: the fp32 accumulation path, and with N ranks a reduce-scatter of
+every bucket per block). So the callback is queued only where no Function's backward is
+running; else a post hook on that Function's node (it runs in the enclosing backward, once
+the node is done) tries again from there (docs/design.md, "What changes under the engine").
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+from torch.autograd import Variable
+from torch.autograd.function import BackwardCFunction
+
+_APPLY = BackwardCFunction.apply.__code__
+
+
+def register_grad_hooks(owner, method: str, params) -> list:
+    """``getattr(owner, method)(param)`` after each param's gradient is accumulated, for as
+    long as ``owner`` lives."""
+    ref = weakref.ref(owner)
+
+    def hook(p):
+        alive = ref()
+        if alive is not None:
+            getattr(alive, method)(p)
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    weakref.finalize(owner, _remove, handles)
+    return handles
+
+
+def _remove(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def enclosing_backward_node():
+    """The autograd Function node whose backward is running on this thread's stack (the
+    innermost), or None. Inside it, a backward runs nested in the enclosing one: this is
+    how reentrant activation checkpointing (``use_reentrant=True``) computes each block's
+    gradients. Read from the Python frames: ``BackwardCFunction.apply`` is the Python entry
+    of every Function's backward, with the node as ``self``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
+
+
+def queue_at_backward_end(callback) -> None:
+    """Run ``callback`` once, when the outermost backward running now ends."""
+    node = enclosing_backward_node()
+    if node is None:
+        Variable._execution_engine.queue_callback(callback)
+    else:
+        node.register_hook(lambda *_grads: queue_at_backward_end(callback))
