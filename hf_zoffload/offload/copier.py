@@ -74,21 +74,24 @@ class _HostWork:
     returns once that key's work is done, and raises a failure of it."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._pending: dict[int, int] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, args=(device,), daemon=True,
-                                        name="zoffload-host-work")
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first submit
 
     def submit(self, key: int, event, fn) -> None:
+        if self._thread is None:  # runs without accumulation never need it
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name="zoffload-host-work")
+            self._thread.start()
         with self._cv:
             self._pending[key] = self._pending.get(key, 0) + 1
         self._queue.put((key, event, fn))
 
-    def _loop(self, device: torch.device) -> None:
-        torch.cuda.set_device(device)  # event waits on this thread: the params' device
+    def _loop(self) -> None:
+        torch.cuda.set_device(self.device)  # event waits on this thread: the params' device
         while True:
             key, event, fn = self._queue.get()
             try:
