@@ -21,20 +21,25 @@
 #define HZ_X86 0
 #endif
 
-enum { HZ_F32 = 0, HZ_F16 = 1, HZ_BF16 = 2, HZ_NONE = 3 };
+enum { HZ_F32 = 0, HZ_F16 = 1, HZ_BF16 = 2, HZ_NONE = 3, HZ_Q8 = 4 };
 enum { HZ_AUTO = 0, HZ_GENERIC = 1, HZ_NATIVE = 2, HZ_AVX2 = 3, HZ_AVX512BF16 = 4, HZ_NVARIANTS = 5 };
 enum { HZ_FEAT_AVX2 = 1, HZ_FEAT_AVX512F = 2, HZ_FEAT_F16C = 4, HZ_FEAT_AVX512BF16 = 8 };
 
 /* Scalars arrive as doubles computed in Python the way torch computes them, and are rounded to
  * float once here, as torch's CPU kernels round a Python scalar for a float tensor. */
 typedef struct {
-    float *param, *exp_avg, *exp_avg_sq;
+    float *param;
+    void *exp_avg, *exp_avg_sq;  /* fp32, bf16 or 8-bit codes, by state_kind            */
+    float *m_scale, *v_scale;    /* HZ_Q8: one fp32 scale per block of each moment       */
     const void *grad;
-    void *out16;
+    void *out16;                 /* may be grad itself (same kind): read before written  */
     int grad_kind, out_kind;
+    int state_kind;  /* HZ_F32, HZ_BF16 or HZ_Q8                              */
+    int qblock;      /* HZ_Q8: elements per block; calls start on a block       */
     int l2_on;       /* Adam mode with weight decay: g += wd * p          */
     int lerp_small;  /* torch.lerp branch: weight < 0.5                    */
     float grad_scale, decay, l2, lerp_coef, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step;
+    float inv_ratio_cap;  /* HZ_Q8: the denominator is at least |m| * this (docs/design.md) */
 } hz_adam_args;
 
 typedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi);
@@ -83,6 +88,52 @@ static inline uint16_t hz_float_to_bf16(float f) {
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
 }
 
+/* ---- 8-bit moments (HZ_Q8) ---------------------------------------------------------------
+ * Each block of qblock elements stores one fp32 scale s, its largest magnitude, and one byte
+ * per element: a small float of the element over s.  exp_avg: sign bit and 7 bits, 3 of
+ * mantissa and 4 of exponent (values 2^-15 .. 1, half-step 6.25%); exp_avg_sq is stored as
+ * its square root u (halving its range in binades), 8 bits, 4 of mantissa and 4 of exponent
+ * (u: 2^-15 .. 1, half-step 3.1%).  Code 0 is zero; the top code is exactly 1.0, so the
+ * largest element decodes to s itself and encode(decode(codes)) gives back the same scale
+ * and codes: a resume from decoded fp32 moments continues bit for bit.  Encoding rounds to
+ * nearest even with one integer add on the float's bits (the same trick as hz_float_to_bf16),
+ * decoding is a shift, an add and one multiply: no table, a few vector instructions. */
+#define HZ_QM_MBITS 3
+#define HZ_QU_MBITS 4
+#define HZ_QM_TOP (((1u << (7 - HZ_QM_MBITS)) - 1u) << HZ_QM_MBITS)  /* 120: 1.0 */
+#define HZ_QU_TOP (((1u << (8 - HZ_QU_MBITS)) - 1u) << HZ_QU_MBITS)  /* 240: 1.0 */
+#define HZ_QM_BIAS ((127u - (HZ_QM_TOP >> HZ_QM_MBITS)) << HZ_QM_MBITS)
+#define HZ_QU_BIAS ((127u - (HZ_QU_TOP >> HZ_QU_MBITS)) << HZ_QU_MBITS)
+#define HZ_QBLOCK_MAX 4096
+
+/* y in [0, 1 + 2 ulp] (finite) -> code 0..top, round to nearest even on mantissa bits. */
+static inline uint32_t hz_q_code(float y, int mbits, uint32_t bias, uint32_t top) {
+    uint32_t u = hz_bits(y), sh = 23u - (uint32_t)mbits;
+    int32_t k = (int32_t)((u + ((1u << (sh - 1)) - 1u) + ((u >> sh) & 1u)) >> sh) - (int32_t)bias;
+    k = k < 0 ? 0 : k;
+    return (uint32_t)k > top ? top : (uint32_t)k;
+}
+
+static inline float hz_q_value(uint32_t k, int mbits, uint32_t bias) {
+    float f = hz_float((k + bias) << (23 - mbits));
+    return k ? f : 0.0f;
+}
+
+/* Largest |x| as float bits (an integer max: NaN beats everything, as it must). */
+static inline uint32_t hz_absmax_bits(const float *x, size_t n) {
+    uint32_t mx = 0;
+    for (size_t i = 0; i < n; ++i) {
+        uint32_t b = hz_bits(x[i]) & 0x7fffffffu;
+        mx = b > mx ? b : mx;
+    }
+    return mx;
+}
+
+/* A block's scale from its largest magnitude; blocks below FLT_MIN are stored as zero. */
+static inline float hz_q_scale(uint32_t absmax_bits) {
+    return absmax_bits < 0x00800000u ? 0.0f : hz_float(absmax_bits);
+}
+
 /* ---- variants ---------------------------------------------------------------------------- */
 #define HZ_SUFFIX generic
 #define HZ_NO_INTRINSICS 1
@@ -126,6 +177,27 @@ static inline uint16_t hz_float_to_bf16(float f) {
 #else
 #define HZ_HAVE_CLONES 0
 #endif
+
+/* Whole buffers of 8-bit moments <-> fp32 (checkpoints): the generic variant's block codec,
+ * bitwise the one the update uses.  v is exp_avg_sq itself; its square root is stored, and
+ * sqrtf(u * u) == u for every float u, so encode(decode(codes)) gives back the codes. */
+static void hz_q8_encode_buf(const float *m, const float *v, uint8_t *mc, uint8_t *uc,
+                             float *ms, float *us, size_t n, size_t bs) {
+    float ut[HZ_QBLOCK_MAX];
+    for (size_t i = 0; i < n; i += bs) {
+        size_t k = n - i < bs ? n - i : bs;
+        for (size_t j = 0; j < k; ++j) ut[j] = sqrtf(v[i + j]);
+        hz_q8_encode_generic(mc + i, uc + i, ms + i / bs, us + i / bs, m + i, ut, k);
+    }
+}
+
+static void hz_q8_decode_buf(float *m, float *v, const uint8_t *mc, const uint8_t *uc,
+                             const float *ms, const float *us, size_t n, size_t bs) {
+    for (size_t i = 0; i < n; i += bs) {
+        size_t k = n - i < bs ? n - i : bs;
+        hz_q8_decode_generic(m + i, v + i, mc + i, uc + i, ms[i / bs], us[i / bs], k);
+    }
+}
 
 static int hz_cpu_has(int variant) {
 #if HZ_HAVE_CLONES

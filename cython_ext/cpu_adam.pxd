@@ -6,6 +6,8 @@ cdef extern from "adam_kernel.h" nogil:
         HZ_F16
         HZ_BF16
         HZ_NONE
+        HZ_Q8
+        HZ_QBLOCK_MAX
         HZ_AUTO
         HZ_GENERIC
         HZ_NATIVE
@@ -19,12 +21,16 @@ cdef extern from "adam_kernel.h" nogil:
 
     ctypedef struct hz_adam_args:
         float *param
-        float *exp_avg
-        float *exp_avg_sq
+        void *exp_avg
+        void *exp_avg_sq
+        float *m_scale
+        float *v_scale
         const void *grad
         void *out16
         int grad_kind
         int out_kind
+        int state_kind
+        int qblock
         int l2_on
         int lerp_small
         float grad_scale
@@ -36,6 +42,7 @@ cdef extern from "adam_kernel.h" nogil:
         float inv_bc2_sqrt
         float eps
         float neg_step
+        float inv_ratio_cap
 
     ctypedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi) noexcept nogil
 
@@ -43,4 +50,8 @@ cdef extern from "adam_kernel.h" nogil:
     int hz_variant_features(int variant)
     int hz_openmp_compiled()
     int hz_portable_build()
+    void hz_q8_encode_buf(const float *m, const float *v, unsigned char *mc, unsigned char *uc,
+                          float *ms, float *us, size_t n, size_t bs)
+    void hz_q8_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
+                          const float *ms, const float *us, size_t n, size_t bs)
     void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)

@@ -14,13 +14,16 @@ from cpu_adam cimport *
 # Below this many elements per thread the fork/join of a parallel region (a few us with
 # libgomp) is a visible share of the work (16 Ki elements x 28 B = 0.46 MB, ~40 us at 12 GB/s).
 cdef size_t MIN_PER_THREAD = 16384
-# Chunk starts on a 64-byte line so two threads never write the same cache line.
+# Chunk starts on a 64-byte line so two threads never write the same cache line (and, with
+# 8-bit moments, on a block: a block is encoded by one thread).
 cdef size_t ALIGN = 16
 
 FLOAT32 = HZ_F32
 FLOAT16 = HZ_F16
 BFLOAT16 = HZ_BF16
 NO_OUTPUT = HZ_NONE
+INT8 = HZ_Q8
+QBLOCK_MAX = HZ_QBLOCK_MAX
 VARIANTS = {"auto": HZ_AUTO, "generic": HZ_GENERIC, "native": HZ_NATIVE,
             "avx2": HZ_AVX2, "avx512bf16": HZ_AVX512BF16}
 
@@ -34,11 +37,11 @@ cdef int _threads_for(size_t n, int num_threads) noexcept nogil:
     return num_threads
 
 
-cdef inline size_t _chunk_for(size_t n, int num_threads) noexcept nogil:
+cdef inline size_t _chunk_for(size_t n, int num_threads, size_t align) noexcept nogil:
     # One contiguous static chunk per thread: each thread streams its own range (the hardware
     # prefetchers like long runs), and no element depends on where the split falls.
     cdef size_t chunk = (n + <size_t>num_threads - 1) / <size_t>num_threads
-    return (chunk + ALIGN - 1) / ALIGN * ALIGN
+    return (chunk + align - 1) / align * align
 
 
 cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
@@ -49,7 +52,8 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
     if num_threads <= 1:
         fn(a, 0, n)
         return
-    chunk = _chunk_for(n, num_threads)
+    chunk = _chunk_for(n, num_threads,
+                       <size_t>a.qblock if a.state_kind == HZ_Q8 and <size_t>a.qblock > ALIGN else ALIGN)
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk
@@ -65,7 +69,7 @@ cdef void _traffic_parallel(float *p, float *m, float *v, const float *g, size_t
     if num_threads <= 1:
         hz_traffic_range(p, m, v, g, 0, n)
         return
-    chunk = _chunk_for(n, num_threads)  # the kernel's split, so the ceiling is comparable
+    chunk = _chunk_for(n, num_threads, ALIGN)  # the kernel's split, so the ceiling is comparable
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk
@@ -77,15 +81,21 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
               size_t n, int grad_kind, int out_kind, bint l2_on, bint lerp_small,
               double grad_scale, double decay, double l2, double lerp_coef, double beta2,
               double one_minus_beta2, double inv_bc2_sqrt, double eps, double neg_step,
-              int num_threads, int variant):
+              int num_threads, int variant, int state_kind=HZ_F32, size_t m_scale=0,
+              size_t v_scale=0, int qblock=0, double inv_ratio_cap=0.0):
     """Run the pass over n elements; the GIL is released for the whole pass."""
     cdef hz_adam_args a
     cdef hz_range_fn fn = hz_select(variant)
     if fn == NULL:
         raise ValueError(f"kernel variant {variant} is not available in this build or CPU")
     a.param = <float *>param
-    a.exp_avg = <float *>exp_avg
-    a.exp_avg_sq = <float *>exp_avg_sq
+    a.exp_avg = <void *>exp_avg
+    a.exp_avg_sq = <void *>exp_avg_sq
+    a.m_scale = <float *>m_scale
+    a.v_scale = <float *>v_scale
+    a.state_kind = state_kind
+    a.qblock = qblock
+    a.inv_ratio_cap = <float>inv_ratio_cap
     a.grad = <const void *>grad
     a.out16 = <void *>out16
     a.grad_kind = grad_kind
@@ -109,6 +119,23 @@ def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threa
     """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3)."""
     with nogil:
         _traffic_parallel(<float *>a, <float *>b, <float *>c, <const float *>d, n, num_threads)
+
+
+def q8_encode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """fp32 moments (v: exp_avg_sq) -> 8-bit codes and block scales; n starts on a block."""
+    with nogil:
+        hz_q8_encode_buf(<const float *>m, <const float *>v, <unsigned char *>mc,
+                         <unsigned char *>uc, <float *>ms, <float *>us, n, qblock)
+
+
+def q8_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """8-bit codes and block scales -> fp32 moments (v: exp_avg_sq)."""
+    with nogil:
+        hz_q8_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
+                         <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
+                         qblock)
 
 
 def variant_available(int variant):

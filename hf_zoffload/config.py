@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +22,46 @@ YAML_SECTION = "zoffload"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+STATE_DTYPES = ("fp32", "bf16", "int8")
+SAVE_DTYPES = ("fp32", "compute")
+# Variables with the prefix that are not engine settings: the on/off switch, the sidecar's
+# path, and build switches read by setup.py.
+NOT_SETTINGS = ("ENABLED", "CONFIG", "PORTABLE_BUILD", "NO_OPENMP")
 
 
-def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False):
-    meta = {"help": help, "choices": choices, "minimum": minimum, "exclusive_min": exclusive_min}
+def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False, size=False):
+    meta = {"help": help, "choices": choices, "minimum": minimum, "exclusive_min": exclusive_min,
+            "size": size}
     return field(default=default, metadata=meta)
+
+
+# Decimal units are SI (24GB = 24e9 B); binary ones and bare letters are powers of 1024
+# (24G = 24GiB), as nvidia-smi's MiB. A card sold as "24GB" has 24 GiB: pass 24GiB.
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_NUMBER = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
+
+
+def parse_quantity(text, units: dict, what: str, example: str) -> int:
+    """``text`` as a number with one of ``units`` (a dict unit -> multiplier; "" allows a
+    bare number), or one ValueError naming ``what`` and the units."""
+    m = _NUMBER.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in units:
+        need = "an optional unit" if "" in units else "a unit"
+        raise ValueError(f"{what} {text!r}: expected a number with {need}, one of "
+                         f"{', '.join(u for u in units if u)} (e.g. {example})")
+    return int(round(float(m.group(1).replace("_", "")) * units[unit]))
+
+
+def parse_size(text, what: str = "memory size", *, zero_ok: bool = False) -> int:
+    """'24GB' -> 24e9 bytes, '80GiB' / '80G' -> 80 * 2**30. A unit is required (a bare '24'
+    read as bytes made a 24 GiB card look like 24 bytes; guessing GiB would hide that), but
+    with ``zero_ok`` a bare 0 means "not set"."""
+    if zero_ok and str(text).strip() in ("0", "0.0"):
+        return 0
+    return parse_quantity(text, SIZE_UNITS, what, "24GiB, 80GB, 512MiB; B for bytes")
 
 
 @dataclass
@@ -64,6 +100,27 @@ class ZeroOffloadPlugin:
         0, "threads for the CPU-Adam; 0 uses the cores this process may run on divided by "
         "the processes on this node (LOCAL_WORLD_SIZE).", minimum=0
     )
+    state_dtype: str = _knob(
+        "fp32",
+        "dtype in which the host keeps the Adam moments: fp32 (exact), or bf16 / int8 (less "
+        "host memory, rounded).",
+        choices=STATE_DTYPES,
+    )
+    save_dtype: str = _knob(
+        "fp32",
+        "weights the Trainer and Accelerate paths save as the model's: fp32 (the master "
+        "weights, as a stock mixed-precision run saves) or compute (the device copy in "
+        "compute_dtype, half the size with fp16/bf16).",
+        choices=SAVE_DTYPES,
+    )
+    host_memory_limit: str = _knob(
+        "0",
+        "host memory this process may use for the optimizer state, with a unit (48GiB, "
+        "64GB); the engine refuses to start when its state needs more. 0: what the machine "
+        "has available (MemAvailable, or the cgroup limit when lower) divided by the "
+        "processes on this node.",
+        size=True,
+    )
     max_grad_norm: float = _knob(
         0.0, "clip the global gradient norm to this value; 0 disables clipping.", minimum=0.0
     )
@@ -101,6 +158,11 @@ class ZeroOffloadPlugin:
                 f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}"
             )
 
+    @property
+    def host_memory_limit_bytes(self) -> int:
+        """``host_memory_limit`` in bytes; 0 when not set."""
+        return parse_size(self.host_memory_limit, "host_memory_limit", zero_ok=True)
+
     # ------------------------------------------------------------------ sources
     @classmethod
     def names(cls) -> list[str]:
@@ -122,19 +184,45 @@ class ZeroOffloadPlugin:
         values.update(overrides)
         return cls(**values)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, names=None) -> dict[str, Any]:
+        """The settings named in ``names`` (default: all), in field order."""
+        out = dataclasses.asdict(self)
+        if names is None:
+            return out
+        names = set(names)
+        _check_keys(dict.fromkeys(names), "setting")
+        return {k: v for k, v in out.items() if k in names}
 
-    def to_env(self) -> dict[str, str]:
-        """The settings as ``HF_ZOFFLOAD_*`` variables (what `hf-zoffload launch` exports)."""
-        return {ENV_PREFIX + k.upper(): _env_str(v) for k, v in self.to_dict().items()}
+    def changed(self) -> list[str]:
+        """The settings whose value differs from the default."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
-    def save_yaml(self, path: str, *, enabled: bool = True) -> None:
+    def to_env(self, names=None) -> dict[str, str]:
+        """The settings named in ``names`` (default: all) as ``HF_ZOFFLOAD_*`` variables."""
+        return {ENV_PREFIX + k.upper(): _env_str(v) for k, v in self.to_dict(names).items()}
+
+    def save_yaml(self, path: str, *, enabled: bool = True, names=None) -> None:
+        """Write the sidecar: the on/off switch and the settings named in ``names`` (default:
+        those that differ from their defaults). Settings left out keep following their
+        defaults, and ``compute_dtype`` accelerate's / the Trainer's mixed precision, so a
+        sidecar never pins a value nobody chose."""
         import yaml
 
+        names = self.changed() if names is None else names
         with open(path, "w") as fh:
-            yaml.safe_dump({"zero_offload": bool(enabled), YAML_SECTION: self.to_dict()}, fh,
-                           sort_keys=False)
+            yaml.safe_dump({"zero_offload": bool(enabled), YAML_SECTION: self.to_dict(names)},
+                           fh, sort_keys=False)
+
+    def check_device(self, device_type: str) -> None:
+        """Refuse settings this machine cannot run, before any work: ``kernels=triton``
+        without a CUDA device (the Triton kernels compile for CUDA; on a CPU they run only in
+        Triton's interpreter, ``TRITON_INTERPRET=1``, which is for tests)."""
+        interpreted = os.environ.get("TRITON_INTERPRET", "") == "1"
+        if self.kernels == "triton" and device_type != "cuda" and not interpreted:
+            raise ValueError(
+                f"ZeRO-Offload setting 'kernels': 'triton' needs a CUDA device, and this run's "
+                f"device is {device_type}; allowed here: auto, torch (or set TRITON_INTERPRET=1 "
+                "for Triton's interpreter)")
 
     @property
     def torch_dtype(self):
@@ -155,12 +243,21 @@ def _field(name: str) -> dataclasses.Field:
     )
 
 
+def closest(name: str, names) -> str:
+    """"; did you mean 'x'?" for the closest of ``names``, or "" when none is close."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), list(names), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
 def _check_keys(values: dict, where: str) -> None:
-    unknown = sorted(set(values) - set(ZeroOffloadPlugin.names()))
+    names = ZeroOffloadPlugin.names()
+    unknown = sorted(set(values) - set(names), key=str)
     if unknown:
         raise ValueError(
             f"unknown ZeRO-Offload {where} {', '.join(map(repr, unknown))}; allowed: "
-            f"{', '.join(ZeroOffloadPlugin.names())}"
+            f"{', '.join(names)}{closest(unknown[0], names)}"
         )
 
 
@@ -192,7 +289,11 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
                 raise TypeError
         else:
             out = str(value).strip().lower()
-    except (TypeError, ValueError):
+            if meta["size"]:
+                parse_size(out, f"ZeRO-Offload setting {name!r}:", zero_ok=True)
+    except (TypeError, ValueError) as err:
+        if meta["size"]:
+            raise ValueError(str(err)) from None
         raise ValueError(
             f"ZeRO-Offload setting {name!r}: {value!r} is not a valid {kind}"
             + (" (true/false)" if kind == "bool" else "")
@@ -218,31 +319,47 @@ def _env_str(v: Any) -> str:
 def env_values(environ=None) -> dict[str, str]:
     """The ``HF_ZOFFLOAD_<NAME>`` settings present in ``environ``; unknown names raise.
 
-    ``HF_ZOFFLOAD_CONFIG``, ``HF_ZOFFLOAD_ENABLED`` and build/kernel switches that are not
-    engine settings are not read here."""
+    ``HF_ZOFFLOAD_CONFIG``, ``HF_ZOFFLOAD_ENABLED`` and the build switches (`NOT_SETTINGS`)
+    are not settings and are not read here."""
     environ = os.environ if environ is None else environ
-    not_settings = {"CONFIG", "ENABLED", "PORTABLE_BUILD", "NO_OPENMP"}
     out = {}
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):] not in not_settings:
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):] not in NOT_SETTINGS:
             name = key[len(ENV_PREFIX):].lower()
             if name not in ZeroOffloadPlugin.names():
-                raise ValueError(
-                    f"unknown environment variable {key}; allowed: "
-                    + ", ".join(ENV_PREFIX + n.upper() for n in ZeroOffloadPlugin.names())
-                )
+                known = [ENV_PREFIX + n.upper() for n in ZeroOffloadPlugin.names()]
+                known += [ENV_PREFIX + n for n in NOT_SETTINGS]
+                raise ValueError(f"unknown environment variable {key}; allowed: "
+                                 f"{', '.join(known)}{closest(key, known)}")
             out[name] = value
     return out
 
 
-def read_yaml(path: str) -> dict[str, Any]:
-    """The ``zoffload:`` section of a sidecar yaml; unknown keys raise ``ValueError``."""
+def load_sidecar(path: str, *, named_by: str = "config_file") -> dict:
+    """The sidecar yaml as a mapping. A missing file or broken YAML is one line naming the
+    file and who named it (``named_by``: e.g. ``HF_ZOFFLOAD_CONFIG``), not a traceback."""
     import yaml
 
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    if not os.path.isfile(path):
+        raise ValueError(f"{named_by}={path}: no such file (the ZeRO-Offload sidecar yaml; "
+                         "`hf-zoffload config` writes one)")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where}: {what}") from None
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping with a '{YAML_SECTION}:' section")
+    return data
+
+
+def read_yaml(path: str, *, named_by: str = "config_file") -> dict[str, Any]:
+    """The ``zoffload:`` section of a sidecar yaml; unknown keys raise ``ValueError``."""
+    data = load_sidecar(path, named_by=named_by)
     extra = sorted(set(data) - {YAML_SECTION, "zero_offload"})
     if extra:
         raise ValueError(
@@ -266,7 +383,7 @@ def sourced_values(environ=None, config_file: str | None = None) -> tuple[dict[s
     where = []
     path = config_file or environ.get(CONFIG_ENV)
     if path:
-        values.update(read_yaml(path))
+        values.update(read_yaml(path, named_by="config_file" if config_file else CONFIG_ENV))
         where.append(path)
     values.update(env_values(environ))
     return values, " / ".join(where + ["HF_ZOFFLOAD_* variables"])
@@ -288,11 +405,8 @@ def enabled_from_sources(*, default: bool, environ=None) -> bool:
     path = environ.get(CONFIG_ENV)
     if not path:
         return default
-    import yaml
-
-    read_yaml(path)  # unknown keys and a missing file fail here, with the file named
-    with open(path) as fh:
-        flag = (yaml.safe_load(fh) or {}).get("zero_offload", default)
+    read_yaml(path, named_by=CONFIG_ENV)  # unknown keys, a missing file, bad YAML: one line
+    flag = load_sidecar(path, named_by=CONFIG_ENV).get("zero_offload", default)
     if not isinstance(flag, bool):
         raise ValueError(f"{path}: 'zero_offload' must be true or false, got {flag!r}")
     return flag

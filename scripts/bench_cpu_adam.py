@@ -12,9 +12,13 @@ Rows per (size, threads):
   deepspeed composed the same three steps around DeepSpeedCPUAdam (40 B/param)
   ours fp32          hf_zoffload adam_update, fp32 grads (28 B/param)
   ours 16-bit        hf_zoffload adam_update, 16-bit grads in, 16-bit params out (28 B/param)
+  ours ... over grads  the engine's call: the new 16-bit params written over the 16-bit grads
+                     just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
+                     int8 (16 + 8 B per block of scales; one row per --qblocks block size)
 
 ms/step is the median of --repeats timed calls after one warm-up; GB/s counts the nominal bytes
-above; "of ceiling" is ceiling ms / row ms, how close the row gets to one Adam pass of traffic.
+above; "of ceiling" is the row's GB/s over the ceiling's, the fraction of the measured memory
+bandwidth it uses; "vs fp32 state" is the fp32-state engine row's ms over the row's ms.
 Usage: python scripts/bench_cpu_adam.py [--sizes 10M,50M,100M] [--threads 1,2] [--repeats 5]
 """
 
@@ -32,6 +36,7 @@ import torch
 import hf_zoffload
 from hf_zoffload.commands.env import cpu_name
 from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import moments as mo
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -61,7 +66,8 @@ def _deepspeed():
     return DeepSpeedCPUAdam
 
 
-def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.dtype):
+def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.dtype,
+          qblocks: list[int]):
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
@@ -112,6 +118,24 @@ def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.
 
     add("ours fp32", _time(ours(g32, None), repeats), 28)
     add("ours 16-bit grad in + 16-bit out", _time(ours(g16, o16), repeats), 28)
+    g = g16.to(out16)  # the engine's buffer: grads in, new params out, one dtype
+    add("ours fp32 state, out over grads", _time(ours(g, g), repeats), 28)
+    mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+
+    def compact(mm, vv, scales=None, qblock=mo.QBLOCK):
+        def run():
+            step[0] += 1
+            ca.adam_update_unchecked(p, g, mm, vv, step=step[0], out16=g, num_threads=threads,
+                                     scales=scales, qblock=qblock, **HP)
+        return run
+
+    add("ours bf16 state, out over grads", _time(compact(mb, vb), repeats), 20)
+    del mb, vb
+    mc, vc = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    for qb in qblocks:
+        scales = (torch.zeros(-(-n // qb)), torch.zeros(-(-n // qb)))
+        add(f"ours int8 state (block {qb}), out over grads",
+            _time(compact(mc, vc, scales, qb), repeats), 16 + 16 / qb)
     return rows
 
 
@@ -120,13 +144,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="10M,50M,100M", help="comma list, K/M/G suffixes")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (median)")
-    ap.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp16")
-    ap.add_argument("--out-dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp16")
+    ap.add_argument("--out_dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--qblocks", default=str(mo.QBLOCK),
+                    help="comma list of int8 block sizes (powers of two, 16..4096) to time")
     args = ap.parse_args(argv)
     sizes = [_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    qblocks = [int(b) for b in args.qblocks.split(",")]
     if args.repeats < 1 or min(threads) < 1 or min(sizes) < 1:
         ap.error("--repeats, --threads and --sizes must be positive")
+    if any(b < 16 or b > 4096 or b & (b - 1) for b in qblocks):
+        ap.error(f"--qblocks: powers of two from 16 to 4096, got {args.qblocks}")
 
     ds = _deepspeed()
     feats = ca.compiled_features()
@@ -137,15 +166,19 @@ def main(argv=None) -> int:
           f"OpenMP {'on' if feats['openmp'] else 'off'}); deepspeed "
           f"{__import__('deepspeed').__version__ if ds else 'not installed'}.  "
           f"16-bit rows: {args.grad_dtype} grads, {args.out_dtype} params out.\n")
-    print("| params | threads | path | ms/step | Mparams/s | GB/s | of ceiling |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| params | threads | path | B/param | ms/step | Mparams/s | GB/s | of ceiling | "
+          "vs fp32 state |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for n in sizes:
         for t in threads:
-            rows = bench(n, t, args.repeats, DTYPES[args.grad_dtype], DTYPES[args.out_dtype])
-            ceiling = rows[0][1]
+            rows = bench(n, t, args.repeats, DTYPES[args.grad_dtype], DTYPES[args.out_dtype],
+                         qblocks)
+            ceiling = n * 28 / rows[0][1]  # bytes per ms
+            fp32_state = next(ms for name, ms, _ in rows if name.startswith("ours fp32 state"))
             for name, ms, nbytes in rows:
-                print(f"| {n / 1e6:g}M | {t} | {name} | {ms:.2f} | {n / ms / 1e3:.0f} | "
-                      f"{n * nbytes / ms / 1e6:.1f} | {ceiling / ms:.2f} |", flush=True)
+                print(f"| {n / 1e6:g}M | {t} | {name} | {nbytes:g} | {ms:.2f} | "
+                      f"{n / ms / 1e3:.0f} | {n * nbytes / ms / 1e6:.1f} | "
+                      f"{n * nbytes / ms / ceiling:.2f} | {fp32_state / ms:.2f} |", flush=True)
     return 0
 
 

@@ -2,11 +2,11 @@
 """torch's pinned host allocator against the engine's ``memory_report()``, on CUDA.
 
 After a few fp16 steps (delayed update and 2 micro-steps per step, so every kind of host
-buffer exists: both sets of gradient landing buffers, the parameter staging buffer, the fp32
-sum), prints what ``torch.cuda.host_memory_stats()`` says the pinned allocator holds, the
-engine's host buffers that really are pinned (``is_pinned()``) with the allocations they are
-views of, and what ``memory_report()`` counts as host staging (``grad_staging`` +
-``param_staging``: on CUDA the pinned buffers; master weights, moments and the fp32 sum are
+buffer exists: both sets of gradient landing buffers, which also carry the new params back,
+and the fp32 sum), prints what ``torch.cuda.host_memory_stats()`` says the pinned allocator
+holds, the engine's host buffers that really are pinned (``is_pinned()``) with the
+allocations they are views of, and what ``memory_report()`` counts as host staging
+(``grad_staging``: on CUDA the pinned buffers; master weights, moments and the fp32 sum are
 pageable).
 
 Fails only on an inconsistency: the engine's pinned allocations, or the staging bytes the
@@ -52,8 +52,7 @@ def host_buffers(opt) -> list[tuple[str, torch.Tensor]]:
     out, seen = [], set()
     for b in opt.buckets:
         s = b.state
-        items = [("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq),
-                 ("param_staging", s.staging)]
+        items = [("master", s.master), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)]
         for g in (s.grads, s.spare):
             if g is not None:
                 items += [("grad_staging", g.grad16), ("grad_staging", g.grad32),
@@ -92,7 +91,7 @@ def verdict(report: dict, stats: dict, facts: dict, *, engine_pins: bool):
     the test suite checks it without a GPU."""
     held, active = held_bytes(stats), stats.get(ACTIVE_KEY)
     host = report["host"]
-    staging = host["grad_staging"] + host["param_staging"]
+    staging = host["grad_staging"]
     h = common.human_bytes
 
     def ratio(a, b):
@@ -105,7 +104,7 @@ def verdict(report: dict, stats: dict, facts: dict, *, engine_pins: bool):
             ["engine host buffers that are pinned", h(facts["pinned"])],
             [f"the allocations they are views of ({facts['blocks']})", h(facts["allocations"])],
             ["the same, each rounded up to a power of two", h(facts["rounded"])],
-            ["`memory_report()` host staging (grad + param staging)", h(staging)],
+            ["`memory_report()` host staging (`grad_staging`)", h(staging)],
             ["`memory_report()` host total", h(report["host_total"])]]
     lines = common.md_table(["pinned host memory", "bytes"], rows)
     lines += ["", f"allocator / pinned buffers: {ratio(held, facts['pinned'])}; allocator / "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
+
+from ..config import parse_quantity, parse_size
 
 description = (
     "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
@@ -16,31 +17,11 @@ description = (
 )
 
 _COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-# Decimal units are SI (24GB = 24e9 B); binary ones and bare letters are powers of 1024
-# (24G = 24GiB), as nvidia-smi's MiB. A card sold as "24GB" has 24 GiB: pass 24GiB.
-_SIZE = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_NUMBER = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
-
-
-def _parse(text: str, units: dict, what: str) -> int:
-    m = _NUMBER.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in units:
-        raise ValueError(f"{what} {text!r}: expected a number with an optional unit, one of "
-                         f"{', '.join(u for u in units if u)} (e.g. 7B, 124M, 1.5e9, 24GiB)")
-    return int(round(float(m.group(1).replace("_", "")) * units[unit]))
 
 
 def parse_count(text: str) -> int:
     """'7B' -> 7_000_000_000; '124M', '350k', '1.5e9' and '1_000' too."""
-    return _parse(text, _COUNT, "parameter count")
-
-
-def parse_size(text: str) -> int:
-    """'24GB' -> 24e9 bytes, '80GiB' / '80G' -> 80 * 2**30."""
-    return _parse(text, _SIZE, "memory size")
+    return parse_quantity(text, _COUNT, "parameter count", "7B, 124M, 1.5e9")
 
 
 def add_parser(subparsers):
@@ -55,14 +36,19 @@ def add_parser(subparsers):
                    help="comma-separated config changes, e.g. n_layer=2,n_embd=64")
     p.add_argument("--frozen_params", default="0", help="frozen parameters (kept on the GPU)")
     p.add_argument("--num_gpus", type=int, default=1, help="processes, one per GPU (default 1)")
-    p.add_argument("--gpu_memory", default=None, help="memory of one GPU: 24GiB, 80GB, ...")
-    p.add_argument("--host_memory", default=None, help="host memory of the machine: 256GiB, ...")
+    p.add_argument("--gpu_memory", default=None,
+                   help="memory of one GPU, with a unit (required): 24GiB, 80GB, ...")
+    p.add_argument("--host_memory", default=None,
+                   help="host memory of the machine, with a unit (required): 256GiB, ...")
     p.add_argument("--compute_dtype", default=None, choices=["fp16", "bf16", "fp32"],
                    help="default: the effective ZeRO-Offload config")
     p.add_argument("--bucket_size_mb", type=float, default=None,
                    help="default: the effective ZeRO-Offload config")
     p.add_argument("--delayed_update", action="store_true", default=None,
                    help="count the delayed update's second gradient staging buffer")
+    p.add_argument("--state_dtype", default=None, choices=["fp32", "bf16", "int8"],
+                   help="how the Adam moments are stored on the host (default: the effective "
+                        "ZeRO-Offload config); the host verdict is printed for every mode")
     p.add_argument("--grad_accumulation", action="store_true",
                    help="count the fp32 accumulation buffer of micro-step accumulation")
     p.add_argument("--json", action="store_true", help="print the figures as json, in bytes")
@@ -121,24 +107,35 @@ def compute(args) -> dict:
     from hf_zoffload.offload.memory import estimate
 
     overrides = {k: getattr(args, k) for k in ("compute_dtype", "bucket_size_mb",
-                                               "delayed_update") if getattr(args, k) is not None}
+                                               "delayed_update", "state_dtype")
+                 if getattr(args, k) is not None}
+    # Sizes first: a typo there fails before a model is built from its config.
+    gpu = parse_size(args.gpu_memory, "--gpu_memory") if args.gpu_memory else None
+    host = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
     plugin = ZeroOffloadPlugin.from_sources(**overrides)
     n = parse_count(args.params) if args.params else count_params(_model_config(args))
     if args.num_gpus < 1:
         raise ValueError(f"--num_gpus must be >= 1, got {args.num_gpus}")
-    report = estimate(n, compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb,
-                      world_size=args.num_gpus, n_frozen=parse_count(args.frozen_params),
-                      grad_accumulation=args.grad_accumulation,
-                      delayed_update=plugin.delayed_update, pinned=plugin.pin_memory)
-    gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
-    host = parse_size(args.host_memory) if args.host_memory else None
+    frozen = parse_count(args.frozen_params)
+
+    def report_for(state_dtype):
+        return estimate(n, compute_dtype=plugin.compute_dtype,
+                        bucket_size_mb=plugin.bucket_size_mb, world_size=args.num_gpus,
+                        n_frozen=frozen, grad_accumulation=args.grad_accumulation,
+                        delayed_update=plugin.delayed_update, pinned=plugin.pin_memory,
+                        state_dtype=state_dtype)
+
+    report = report_for(plugin.state_dtype)
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
+    modes = {m: report_for(m)["host_total"] * args.num_gpus for m in ("fp32", "bf16", "int8")}
     return {
         "report": report, "num_gpus": args.num_gpus, "host_total_all_ranks": host_all,
         "fits": {"gpu_zero_offload": _fit(report["device_total"], gpu),
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
+        "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host)}
+                                for m, v in modes.items()},
     }
 
 
@@ -158,6 +155,14 @@ def format_fits(result: dict) -> str:
         verdict = "fits" if f["fits"] else "DOES NOT FIT"
         lines.append(f"  {labels[key]:<21} needs {human(f['need']):>11} of {human(f['have'])}: "
                      f"{verdict}, headroom {human(f['headroom'])}")
+    modes = result["host_by_state_dtype"]
+    lines.append("host by state_dtype (the Adam moments; master weights fp32 in every mode):")
+    for mode, m in modes.items():
+        f = m["fit"]
+        verdict = "" if f is None else \
+            f": {'fits' if f['fits'] else 'DOES NOT FIT'}, headroom {human(f['headroom'])}"
+        lines.append(f"  state_dtype={mode:<5} needs {human(m['host_total_all_ranks']):>11}"
+                     + verdict)
     return "\n".join(lines)
 
 

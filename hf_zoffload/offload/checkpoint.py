@@ -30,12 +30,13 @@ def state_dict(opt, *, to: int = 0) -> dict:
     other ranks get the same dict with no state, marked so that loading it fails).
 
     Reads the engine's public facts: ``buckets`` (layout and host state), ``param_steps``,
-    ``exchange`` (rank, world, gather_state), ``loss_scaler``, ``skipped_steps``,
+    ``exchange`` (rank, world, gather), ``loss_scaler``, ``skipped_steps``,
     ``applied_steps``."""
     ex = opt.exchange
     state, shell = {}, ex.rank != to
     for b in opt.buckets:
-        whole = ex.gather_state(b, to=to)  # the whole bucket on rank `to`, else None
+        # the whole bucket on rank `to`, else None
+        whole = ex.gather(b, [b.state.master, *b.state.moments_fp32()], to=to)
         if whole is None:
             continue
         master, exp_avg, exp_avg_sq = whole
@@ -69,6 +70,38 @@ def state_dict(opt, *, to: int = 0) -> dict:
             **({"shell_of_rank": ex.rank} if shell else {}),
         },
     }
+
+
+def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | None:
+    """``model.state_dict()`` with each param the engine trains replaced by its fp32 master
+    weights (CPU tensors, bit for bit); with N ranks a collective that gathers them onto rank
+    ``to`` (the others get None). Entries of params the engine does not train are the
+    model's own tensors, detached, in their own dtype."""
+    ex, masters = opt.exchange, {}
+    for b in opt.buckets:
+        whole = ex.gather(b, [b.state.master], to=to)
+        if whole is None:
+            continue
+        for s in b.layout.slots:
+            masters[id(s.param)] = whole[0][s.offset:s.offset + s.numel].view(s.param.shape)
+    if ex.rank != to:
+        return None
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        m = masters.get(id(t))
+        out[name] = t.detach() if m is None else m.clone()  # clone: not a view of a bucket
+    if masters and not any(id(t) in masters for t in model.state_dict(keep_vars=True).values()):
+        raise ValueError("master_state_dict: none of the optimizer's params belongs to this "
+                         "model; pass the model the optimizer was built on (unwrapped)")
+    return out
+
+
+def _master_from_param(h, own: slice, value: torch.Tensor) -> None:
+    """The master becomes the param's value, unless the param is the master rounded to the
+    compute dtype already: then the master is the more precise of the two (the Trainer
+    loads fp32 weights before it builds the engine, and resumes from a stock checkpoint)."""
+    if value.dtype == torch.float32 or not torch.equal(h.master[own].to(value.dtype), value):
+        h.master[own].copy_(value)
 
 
 def load_state_dict(opt, sd: dict) -> None:
@@ -131,15 +164,15 @@ def load_state_dict(opt, sd: dict) -> None:
     for b, s, st in plan:
         own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
         h = b.state
-        h.exp_avg[own].copy_(st["exp_avg"].reshape(-1)[mine])
-        h.exp_avg_sq[own].copy_(st["exp_avg_sq"].reshape(-1)[mine])
+        h.set_moments(own.start, st["exp_avg"].reshape(-1)[mine],
+                      st["exp_avg_sq"].reshape(-1)[mine])
         if "master" in st:
             master = st["master"].reshape(-1)
             h.master[own].copy_(master[mine])
             # the device params follow the master weights (every rank has all of them)
             s.flat().copy_(master)
-        else:  # an AdamW checkpoint: the params are the best fp32 weights we have
-            h.master[own].copy_(s.param.detach().reshape(-1)[mine])
+        else:  # an AdamW checkpoint: the params are the weights
+            _master_from_param(h, own, s.param.detach().reshape(-1)[mine])
         opt.param_steps[s.index] = int(float(st["step"]))
         loaded.add(s.index)
     for b in opt.buckets:
@@ -147,12 +180,10 @@ def load_state_dict(opt, sd: dict) -> None:
         for s in b.layout.slots:
             if s.index not in loaded:  # no saved state: as if it never stepped
                 own, mine = b.layout.owned(s)
-                h.exp_avg[own].zero_()
-                h.exp_avg_sq[own].zero_()
-                h.master[own].copy_(s.param.detach().reshape(-1)[mine])
+                zero = torch.zeros(own.stop - own.start)
+                h.set_moments(own.start, zero, zero)
+                _master_from_param(h, own, s.param.detach().reshape(-1)[mine])
                 opt.param_steps[s.index] = 0
-        if h.staging is not None:  # the staging copy mirrors the device params
-            b.layout.copy_from_params(h.staging, b.layout.start)
     if scaler_sd is not None:
         opt.loss_scaler.load_state_dict(scaler_sd)
     opt.skipped_steps = int(extra.get("skipped_steps", 0))

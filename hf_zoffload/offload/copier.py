@@ -25,6 +25,7 @@ class HostCopier:
     host buffer is that buffer, and nothing is ever in flight."""
 
     pinned = False
+    params_on_host = True  # the CPU-Adam may write the new params into their storage
 
     def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
         """The device buffer whose contents go to the host buffer ``host()`` (a callable: a
@@ -115,6 +116,8 @@ class _HostWork:
 
 class CudaCopier:
     """Params on a CUDA device; every copy runs on one side stream."""
+
+    params_on_host = False
 
     def __init__(self, device: torch.device, *, pin: bool):
         self.device = device
@@ -240,7 +243,7 @@ class CudaCopier:
             self._record(self._uploaded, key, "h2d_copy", t0)
 
     def wait_uploaded(self, key: int) -> None:
-        # The host is about to overwrite the upload's source (the 16-bit staging buffer).
+        # The host is about to overwrite the upload's source (the bucket's 16-bit buffer).
         ev = self._uploaded.pop(key, None)
         if ev is not None:
             ev.synchronize()

@@ -1,9 +1,10 @@
 """`ZeroOffloadOptimizer`: the ZeRO-Offload data path.
 
 Device: the trainable params, cast to ``compute_dtype``, each in its own storage (layout.py).
-Host: fp32 master weights and Adam moments per bucket (state.py), updated by the one-pass
-CPU-Adam, which also writes the new 16-bit params: to a host staging buffer copied back one
-copy per param (CUDA, delayed update), or on the CPU straight into each param's storage.
+Host: fp32 master weights and Adam moments (fp32, bf16 or 8-bit: ``state_dtype``) per bucket
+(state.py), updated by the one-pass CPU-Adam, which also writes the new 16-bit params: over the
+bucket's 16-bit grads it has just read, copied back one copy per param (CUDA, delayed update),
+or on the CPU straight into each param's storage.
 
 Per backward, a post-accumulate-grad hook moves each gradient into its bucket's flat buffer
 and frees ``param.grad``; a complete bucket goes to the exchange (exchange.py: one process,
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import time
 
@@ -25,6 +25,7 @@ import torch
 
 from ..config import ZeroOffloadPlugin
 from ..ops.cpu_adam import check_hyper
+from ..ops.moments import QBLOCK
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
@@ -33,23 +34,24 @@ from .delayed import DelayedUpdate
 from .hooks import queue_at_backward_end, register_grad_hooks
 from .host import HostPool
 from .layout import build_layouts, collect_slots
-from .memory import engine_report
+from .memory import check_host_memory, engine_report
 from .params import ParamWatch, check_placement
 from .partitioned import make_exchange
 from .state import Bucket, place
 from .update import Work, cpu_threads, plan, run
 
-logger = logging.getLogger(__name__)
-
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments in host memory (ZeRO-Offload).
 
-    Build it after the model is on its device. It casts the trainable params passed to it to
-    ``plugin.compute_dtype`` in place; frozen params are left alone. Use it as any torch
-    optimizer (schedulers change ``param_groups[i]["lr"]``); for fp16, scale the loss with
-    ``optimizer.backward(loss)`` or through ``accelerator.backward`` once the engine's
-    ``loss_scaler`` is installed as accelerate's scaler.
+    The hyperparameters and their defaults are torch.optim.AdamW's (weight_decay 0.01,
+    decoupled). Build it after the model is on its device. It casts the trainable params
+    passed to it to ``plugin.compute_dtype`` in place; frozen params are left alone. Use it
+    as any torch optimizer (schedulers change ``param_groups[i]["lr"]``); for fp16, scale the
+    loss with ``optimizer.backward(loss)`` or through ``accelerator.backward`` once the
+    engine's ``loss_scaler`` is installed as accelerate's scaler. The Adam moments are kept
+    as ``plugin.state_dtype`` says (fp32, bf16 or 8-bit: `hf_zoffload.ops.moments`); the
+    master weights are fp32 in every mode.
 
     Accumulation boundary: ``step()`` applies the sum of every backward since the previous
     ``step()`` / ``zero_grad()``; callers step only at the boundary (accelerate's
@@ -63,22 +65,18 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` first finish a pending update.
 
     Data parallel (torch.distributed initialized with N > 1 ranks, or ``process_group=``):
-    every rank builds the engine over the same params, unwrapped (no DDP), runs the same
-    sequence of backward / step / state_dict calls, ends each step with identical params and
-    holds 1/N of the optimizer state. A backward reduces gradients across ranks only when
-    ``sync_gradients`` says so: this attribute if set (``with optimizer.no_sync():`` sets
-    False), else accelerate's ``GradientState().sync_gradients``, else True; the result is
-    the same either way, only when bytes move changes. ``state_dict()`` is then a collective
-    (rank 0 gets the whole state, the others a shell that refuses to load); where only one
-    rank calls it (the Trainer), call ``consolidate_state_dict()`` on every rank first.
-    ``load_state_dict()`` takes the whole state on every rank, saved with any number of
-    ranks. A collective whose peer died raises at once (gloo) or after the process group's
-    timeout, naming this rank, the collective and where the timeout is set.
+    every rank builds the engine over the same unwrapped params (no DDP), runs the same
+    calls, ends each step with identical params and holds 1/N of the optimizer state.
+    ``sync_gradients`` (``no_sync()``, else accelerate's, else True) only decides when
+    bytes move. ``state_dict()`` is a collective that leaves the state on rank 0 (call
+    ``consolidate_state_dict()`` on every rank where only one rank saves); ``load_state_dict``
+    takes a state saved with any number of ranks. A collective whose peer died raises,
+    naming this rank and the collective (docs/design.md, "Data-parallel protocol").
     """
 
     fused_loss_scaling = True  # the scaler protocol: we unscale and check inside step()
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  plugin: ZeroOffloadPlugin | None = None, process_group=None,
                  param_order=None):
         check_hyper(lr, betas, eps, weight_decay, where="ZeroOffloadOptimizer")
@@ -89,13 +87,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
-        self.cpu_threads = cpu_threads(plugin.cpu_threads)
-        (logger.warning if self.cpu_threads == 1 else logger.info)(
-            "ZeRO-Offload: the CPU-Adam runs on %d thread(s)%s", self.cpu_threads,
-            "" if self.cpu_threads > 1 else
-            " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
-        slots = collect_slots(self.param_groups, order=param_order)
+        self.cpu_threads = cpu_threads(plugin.cpu_threads, log=True)
+        slots = collect_slots(self.param_groups, order=param_order,
+                              state_dtype=plugin.state_dtype)
         self.device = slots[0].param.device
+        plugin.check_device(self.device.type)
         self.dtype = plugin.torch_dtype
         pin = self.device.type == "cuda" and plugin.pin_memory
         self.copier = make_copier(self.device, pin=pin)
@@ -104,11 +100,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                                       dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
         layouts = build_layouts(slots, bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
-                                rank=self.exchange.rank, world=self.exchange.world)
-        staging = self.device.type == "cuda" or plugin.delayed_update
+                                rank=self.exchange.rank, world=self.exchange.world,
+                                align=QBLOCK if plugin.state_dtype == "int8" else 1)
+        check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin, pinned=pin,
+                          world=self.exchange.world)  # before anything is allocated
         self.host_pool = HostPool(layouts, pin=pin)
         self.buckets = [Bucket(lay, place(lay, self.dtype, self.device, pool=self.host_pool,
-                                          staging=staging,
+                                          state_dtype=plugin.state_dtype,
                                           flat=self.exchange.initial_values(lay)))
                         for lay in layouts]
         self.exchange.attach(self.buckets, self._check, self.host_pool)
@@ -119,22 +117,18 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
                             if not p.requires_grad)
         self.applied_steps = 0  # steps that updated the params (not skipped)
-
-        self.loss_scaler = DynamicLossScaler(
-            init_scale=plugin.init_scale, growth_factor=plugin.growth_factor,
-            backoff_factor=plugin.backoff_factor, growth_interval=plugin.growth_interval,
-            hysteresis=plugin.hysteresis, min_scale=plugin.min_scale,
-            enabled=plugin.compute_dtype == "fp16")
+        self.loss_scaler = DynamicLossScaler(enabled=plugin.compute_dtype == "fp16", **{
+            k: getattr(plugin, k) for k in ("init_scale", "growth_factor", "backoff_factor",
+                                            "growth_interval", "hysteresis", "min_scale")})
         # On the CPU the host form of the check (bitwise the reference, fewer passes).
         self._check_kernel = unscale_check_host_ if self.device.type == "cpu" and \
             kernel_backend(self.device, plugin.kernels) == "torch" else \
             functools.partial(unscale_check_, backend=plugin.kernels)
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._sumsq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._ones = torch.ones(1, dtype=torch.float32, device=self.device)
+        self._found_inf, self._sumsq, self._ones = (
+            torch.full((1,), x, dtype=torch.float32, device=self.device) for x in (0, 0, 1))
         self._in_backward = False
         self._delayed = DelayedUpdate()
-        self._uploads_pending = False
+        self._uploads_pending: list = []  # (bucket, out) of a delayed update, to upload
         self._consolidated = None
         self.grad_norm: float | None = None
         self.last_step_skipped = False
@@ -151,7 +145,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     @property
     def update_in_flight(self) -> bool:
         """A delayed update is running, or its params are not on the device yet."""
-        return self._delayed.running or self._uploads_pending
+        return self._delayed.running or bool(self._uploads_pending)
 
     def host_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """1-D views of the host state of ``param``'s elements this rank holds (all of them
@@ -276,7 +270,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             coef = min(1.0, max_norm / (norm + 1e-6)) \
                 if self._clip is not None or max_norm > 0 else 1.0
             work = plan(self.buckets, self.param_groups, self.param_steps,
-                        self._inv_scale() * coef)
+                        self._inv_scale() * coef,
+                        in_place=self.copier.params_on_host and not delayed)
             self.applied_steps += 1
             if delayed:
                 self._start_delayed(work)
@@ -308,7 +303,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         for item in work:
             item.bucket.state.swap_grads(self.host_pool, item.bucket.layout.index)
         self._delayed.start(lambda: self._run(work, upload=False), device=self.device)
-        self._uploads_pending = True
+        self._uploads_pending = [(item.bucket, item.out) for item in work]
 
     def _drain(self) -> None:
         """Finish a pending delayed update and copy its params to the device."""
@@ -316,10 +311,10 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self._delayed.wait()
             self.timings["cpu_adam_wait"] = self._delayed.waited
         if self._uploads_pending:
-            self._uploads_pending = False
+            pending, self._uploads_pending = self._uploads_pending, []
             t0 = time.perf_counter()
-            for b in self.buckets:
-                self.exchange.publish(b)
+            for b, out in pending:
+                self.exchange.publish(b, out)
             self.timings["upload_host"] = time.perf_counter() - t0 + self._finish_publish()
             self._watch.note_written()
 
@@ -387,6 +382,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._drain()
         self._consolidated = checkpoint.state_dict(self, to=to) \
             if self.exchange.world > 1 else None
+
+    def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
+        """A full-precision ``model.state_dict()``: each param this optimizer trains
+        replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
+        they are. With N ranks a collective (every rank calls it) that returns the dict on
+        rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
+        self._drain()
+        return checkpoint.master_state_dict(self, model, to=to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved with any number of ranks; each rank keeps its shard, on the

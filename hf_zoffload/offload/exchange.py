@@ -17,10 +17,12 @@ all-gather). Tensor parallelism will be a third. The interface, in the order a s
   is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag,
   sumsq)`` makes the overflow flag, the squared norm and which params got a gradient the
   same on every rank.
-- ``publish(b)`` uploads a bucket's new params after its CPU-Adam; ``finish_publish()``
-  after the last one.
-- ``gather_state(b, to)``: (master, exp_avg, exp_avg_sq) of the whole bucket on rank ``to``
-  (None elsewhere), for checkpoints.
+- ``publish(b, src)`` uploads a bucket's new params after its CPU-Adam from host buffer
+  ``src`` (`Bucket.out`; None: written into the params in place already);
+  ``finish_publish()`` after the last one.
+- ``gather(b, shards, to)``: each fp32 host shard of ``shards`` (this rank's part of the
+  bucket: master, decoded moments) as the whole bucket on rank ``to`` (None elsewhere), for
+  checkpoints and the full-precision weights.
 """
 
 from __future__ import annotations
@@ -77,13 +79,12 @@ class LocalExchange:
     def share_stats(self, flag: float, sumsq: float) -> tuple[float, float]:
         return flag, sumsq
 
-    def publish(self, b: Bucket) -> None:
-        src = b.new_params()
+    def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         if src is not None:  # else the CPU-Adam wrote the params in place already
             self.copier.to_params(b.layout.index, b.layout, src)
 
     def finish_publish(self) -> None:
         pass
 
-    def gather_state(self, b: Bucket, *, to: int = 0):
-        return b.state.master, b.state.exp_avg, b.state.exp_avg_sq
+    def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
+        return list(shards)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.cpu_adam import check_hyper
+from ..ops.moments import check_state_dtype, ratio_cap
 from .support import check_params
 
 
@@ -103,9 +104,10 @@ class BucketLayout:
             yield self.slots[start:]
 
 
-def collect_slots(param_groups, *, order=None) -> list[Slot]:
+def collect_slots(param_groups, *, order=None, state_dtype: str = "fp32") -> list[Slot]:
     """A slot per trainable param (offsets come with the buckets); raises, before anything
-    changes, on a group or param the engine cannot train.
+    changes, on a group or param the engine cannot train (``state_dtype``: how the moments
+    will be stored; int8 needs betas with a bound, `moments.ratio_cap`).
 
     In ``order`` (the params as the model registers them, ``model.parameters()``), else in
     the optimizer's param order; params missing from ``order`` follow, in theirs. The order
@@ -113,12 +115,15 @@ def collect_slots(param_groups, *, order=None) -> list[Slot]:
     no-decay groups the optimizer's order puts every layer's norms and biases together, in a
     bucket that completes only when backward reaches the first layer, and with N ranks a
     late bucket holds back every reduce-scatter after it (they launch in bucket order)."""
+    check_state_dtype(state_dtype)
     slots, devices, index = [], set(), 0
     for gi, g in enumerate(param_groups):
         for flag in ("amsgrad", "maximize"):
             if g.get(flag):
                 raise ValueError(f"param group {gi}: {flag}=True is not supported")
         check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"param group {gi}")
+        if state_dtype == "int8":
+            ratio_cap(*g["betas"])
         check_params(g["params"])
         for p in g["params"]:
             if p.requires_grad:
@@ -145,7 +150,7 @@ def collect_slots(param_groups, *, order=None) -> list[Slot]:
 
 
 def build_layouts(slots: list[Slot], *, bucket_numel: int, rank: int = 0,
-                  world: int = 1) -> list[BucketLayout]:
+                  world: int = 1, align: int = 1) -> list[BucketLayout]:
     """Split ``slots`` into buckets of about ``bucket_numel`` elements, each sharded for
     ``rank`` of ``world``.
 
@@ -170,9 +175,11 @@ def build_layouts(slots: list[Slot], *, bucket_numel: int, rank: int = 0,
     for i, members in enumerate(groups):
         placed, offset = [], 0
         for s in sorted(members, key=lambda s: s.group):  # stable: keeps backward order
+            offset = -(-offset // align) * align
             placed.append(Slot(s.param, s.index, s.group, offset, s.numel))
             offset += s.numel
         shard = -(-offset // world)
+        shard = -(-shard // align) * align
         start = rank * shard
         out.append(BucketLayout(index=i, slots=tuple(placed), numel=offset,
                                 padded=shard * world, start=start, shard=shard,

@@ -2,12 +2,15 @@
 
 `estimate()` (used by `hf-zoffload estimate`) and `ZeroOffloadOptimizer.memory_report()` return
 the same structure, and `format_report()` prints either, so the two always agree on what is
-counted: model states only (parameters, gradients, master weights, Adam moments, staging
+counted: model states only (parameters, gradients, master weights, Adam moments, gradient
 buffers), never activations.
 """
 
 from __future__ import annotations
 
+import os
+
+from ..ops.moments import STATE_DTYPES, check_state_dtype, n_blocks, state_bytes
 from .host import plan_blocks
 
 _MIB = 1024**2
@@ -29,14 +32,16 @@ def estimate(
     grad_accumulation: bool = False,
     delayed_update: bool = False,
     pinned: bool = False,
+    state_dtype: str = "fp32",
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
     Device: the ``compute_dtype`` parameters (frozen ones too) plus up to two gradient
-    buckets in flight. Host, per rank: fp32 master weights and both moments for this rank's
-    ``1/world_size`` shard (12 B/param), the 16-bit gradient and parameter staging buffers,
-    the fp32 accumulation buffer when gradients are accumulated over micro-steps, and a
-    second gradient staging buffer for the delayed update. ``pinned``: the staging buffers
+    buckets in flight. Host, per rank: fp32 master weights (4 B/param) and both moments
+    (``state_dtype``: fp32 8, bf16 4, int8 about 2 B/param) for this rank's ``1/world_size``
+    shard, the 16-bit gradient buffer (which the update's new params overwrite on their way
+    back), the fp32 accumulation buffer when gradients are accumulated over micro-steps,
+    and a second gradient buffer for the delayed update. ``pinned``: the gradient buffers
     are page-locked, held as the engine's pool holds them (host.py: power-of-two blocks of
     whole buckets), with buckets of ``bucket_size_mb`` each.
     """
@@ -46,6 +51,7 @@ def estimate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if compute_dtype not in _DTYPE_BYTES:
         raise ValueError(f"compute_dtype {compute_dtype!r}; allowed: fp16, bf16, fp32")
+    check_state_dtype(state_dtype)
     w = _DTYPE_BYTES[compute_dtype]
     shard = -(-n_params // world_size)  # ceil: the largest shard
     bucket = int(bucket_size_mb * _MIB) // 2 * w  # bucket_size_mb counts 16-bit grads
@@ -61,21 +67,26 @@ def estimate(
                  for i in range(0, n_params, per)]
         return sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
 
+    # int8: codes and block scales; the engine also starts every param on a 256-element
+    # block, which adds up to 255 elements per param (not known here; < 0.1% for 7B shapes)
+    moment = int(state_bytes(state_dtype) / 2 * shard)
     host = {
         "master": 4 * shard,
-        "exp_avg": 4 * shard,
-        "exp_avg_sq": 4 * shard,
+        "exp_avg": moment,
+        "exp_avg_sq": moment,
         "grad_staging": staged(w) * (2 if delayed_update else 1),
-        "param_staging": staged(w) if w != 4 else 0,
         "grad_accumulation": 4 * shard if grad_accumulation else 0,
     }
-    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w)
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w,
+                   state_dtype=state_dtype)
 
 
-def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_dtype: int):
+def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_dtype: int,
+            state_dtype: str):
     return {
         "n_params": n_params,
         "n_frozen": n_frozen,
+        "state_dtype": state_dtype,
         "device": device,
         "host": host,
         "device_total": sum(device.values()),
@@ -85,12 +96,14 @@ def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_d
     }
 
 
-def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param_bytes: int):
+def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param_bytes: int,
+                state_dtype: str):
     """Wrap measured byte counts (from the engine) in the structure `estimate()` returns."""
-    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes)
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes,
+                   state_dtype=state_dtype)
 
 
-_POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging", "staging": "param_staging",
+_POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging",
                "unreduced16": "unreduced", "unreduced32": "grad_accumulation"}
 
 
@@ -105,7 +118,7 @@ def engine_report(opt) -> dict:
     CPU-only run the "device" is host memory too: the params and the full-bucket gradient
     buffers backward writes are counted under device, as on a GPU, so the host side
     compares across machines."""
-    host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging", "param_staging",
+    host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
         for kind, n in b.state.nbytes().items():
@@ -129,12 +142,98 @@ def engine_report(opt) -> dict:
         host["grad_staging"] += unreduced
     device = {"params": trained + opt.n_frozen * w,
               "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
-    n = sum(b.layout.numel for b in opt.buckets)
-    report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w)
+    n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
+    report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w,
+                         state_dtype=opt.plugin.state_dtype)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
     return report
+
+
+def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
+                pinned: bool) -> dict[str, int]:
+    """Host bytes the engine allocates for ``layouts`` (this rank's shards) when it is built
+    and at its first step, by kind: the same arithmetic as `engine_report`, before anything
+    is allocated. Buffers made only for gradient accumulation come later and are not
+    counted (``estimate(grad_accumulation=True)`` shows them)."""
+    shards = [lay.shard for lay in layouts]
+    n = sum(shards)
+    moments = n * STATE_DTYPES[state_dtype].itemsize * 2
+    if state_dtype == "int8":
+        moments += 2 * 4 * sum(n_blocks(s) for s in shards)  # the block scales
+    w = param_dtype.itemsize
+    grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
+    return {"master": 4 * n, "moments": moments,
+            "grad_staging": grads * (2 if delayed_update else 1)}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def host_available(*, environ=None, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup"):
+    """(bytes this process may still allocate, how that was found): the kernel's
+    MemAvailable, or what the cgroup's memory limit leaves when that is less (v2
+    ``memory.max`` - ``memory.current``, v1 ``memory.limit_in_bytes`` - usage), divided by
+    the processes on this node (``LOCAL_WORLD_SIZE``), which allocate the same at once. None
+    when neither can be read (not Linux)."""
+    environ = os.environ if environ is None else environ
+    found, why = [], []
+    meminfo = _read(f"{proc}/meminfo") or ""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            found.append(int(line.split()[1]) * 1024)
+            why.append(f"MemAvailable {human(found[-1])}")
+    for limit_file, used_file in (("memory.max", "memory.current"),
+                                  ("memory/memory.limit_in_bytes",
+                                   "memory/memory.usage_in_bytes")):
+        limit, used = _read(f"{cgroup}/{limit_file}"), _read(f"{cgroup}/{used_file}")
+        if limit and used and limit.isdigit() and used.isdigit() and int(limit) < 2**60:
+            found.append(max(0, int(limit) - int(used)))
+            why.append(f"cgroup limit {human(int(limit))} with {human(int(used))} used")
+            break
+    if not found:
+        return None, "no /proc/meminfo or cgroup limit to read"
+    try:
+        procs = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        procs = 1
+    return min(found) // procs, ", ".join(why) + f", shared by {procs} process(es) on this node"
+
+
+def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
+                      available=None) -> dict[str, int]:
+    """Refuse, before anything is allocated, a host state that does not fit: what this
+    rank needs (`host_needed`) against ``plugin.host_memory_limit`` if set, else what
+    `host_available` finds. The error names the bytes needed and available and what would
+    fit (the other ``state_dtype`` modes, more data-parallel ranks). Returns the need."""
+    def need(state_dtype):
+        return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
+                           delayed_update=plugin.delayed_update, pinned=pinned)
+
+    needed = need(plugin.state_dtype)
+    if plugin.host_memory_limit_bytes:
+        have, why = plugin.host_memory_limit_bytes, "host_memory_limit"
+    else:
+        have, why = available if available is not None else host_available()
+    total = sum(needed.values())
+    if have is None or total <= have:
+        return needed
+    fits = [f"state_dtype={m} ({human(sum(need(m).values()))})" for m in STATE_DTYPES
+            if m != plugin.state_dtype and sum(need(m).values()) <= have]
+    ranks = -(-total * world // have)  # shards shrink with the world; grads' blocks roughly
+    raise MemoryError(
+        f"ZeRO-Offload needs {human(total)} of host memory on this rank ("
+        + ", ".join(f"{k} {human(v)}" for k, v in needed.items())
+        + f") but {human(have)} is available ({why}). What would fit: "
+        + (", ".join(fits) + "; or " if fits else "")
+        + f"about {ranks} data-parallel ranks (each holds 1/N of the state). Nothing was "
+        f"allocated. Set host_memory_limit to use another limit.")
 
 
 def human(n: float) -> str:
@@ -148,7 +247,8 @@ def human(n: float) -> str:
 def format_report(report: dict) -> str:
     """Human-readable lines for a report from `estimate()` or `memory_report()`."""
     lines = [f"model states for {report['n_params']:,} trainable parameters"
-             + (f" (+{report['n_frozen']:,} frozen)" if report["n_frozen"] else "")]
+             + (f" (+{report['n_frozen']:,} frozen)" if report["n_frozen"] else "")
+             + f", Adam moments in {report['state_dtype']}"]
     for side in ("device", "host"):
         parts = ", ".join(f"{k} {human(v)}" for k, v in report[side].items() if v)
         lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")

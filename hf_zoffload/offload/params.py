@@ -50,7 +50,7 @@ class ParamWatch:
                 if (s.param._version, s.param.data_ptr()) != self._seen[s.index]}
 
     def adopt_edits(self, *, update_in_flight: bool) -> None:
-        """Edited params' values become their masters (and staging copies)."""
+        """Edited params' values become their masters."""
         edited = self.edited()
         if not edited:
             return
@@ -65,6 +65,4 @@ class ParamWatch:
                     own, mine = b.layout.owned(s)
                     new = s.param.detach().reshape(-1)[mine]
                     b.state.master[own].copy_(new)
-                    if b.state.staging is not None:
-                        b.state.staging[own].copy_(new)
         self.note_written()

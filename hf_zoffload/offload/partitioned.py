@@ -1,6 +1,6 @@
 """Data-parallel ZeRO-Offload: each rank owns 1/N of every bucket's host state (ZeRO-2).
 
-Each rank holds the master weights, both moments and the staging buffers of its shard only
+Each rank holds the master weights, both moments and the gradient buffers of its shard only
 (layout.py): 12/N B/param of optimizer state instead of 12. The padding (< N elements per
 bucket) belongs to no param: it stays 0 and no update touches it. The protocol, the byte
 counts and the accumulation rules: docs/design.md, "Data-parallel protocol".
@@ -227,7 +227,7 @@ class PartitionedExchange:
             b.window.present = [next(it) > 0 for _ in b.layout.slots]
         return flag, sumsq
 
-    def publish(self, b: Bucket) -> None:
+    def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         """Upload this rank's new shard into its slice of a transient flat device bucket,
         which an all-gather (in place) fills from every rank; `finish_publish` copies it out
         to the params. Transient because each param keeps its own storage (layout.py). At
@@ -237,7 +237,6 @@ class PartitionedExchange:
         lay = b.layout
         flat = self.copier.side_buffer(lay.padded, self.dtype)
         own = flat[lay.start:lay.start + lay.shard]
-        src = b.new_params()
         if src is None:  # the params hold this rank's new values already (written in place)
             own.zero_()
             lay.copy_from_params(own, lay.start)
@@ -257,23 +256,22 @@ class PartitionedExchange:
         """Finish all-gathers and copy every slot out of its flat buffer to its param. On
         CUDA all of it queues on the side stream: `wait()` makes that stream wait for the
         collective, so the buffer is complete before the copies read it. Every slot is
-        copied, also those that got no grad: each rank's shard came from the staging copy
-        (or master) that mirrors the params, so those params get their own values back."""
+        copied, also those that got no grad: each rank's shard holds their current values
+        (`Bucket.fill_absent`), so those params get their own values back."""
         with self.copier.side(), self.coll.guard("all-gather of the updated params"):
             for b, work, flat in gathers:
                 work.wait()
                 b.layout.copy_to_params(flat, 0)
 
     # ---------------------------------------------------------- checkpoints
-    def gather_state(self, b: Bucket, *, to: int = 0):
-        """(master, exp_avg, exp_avg_sq) of the whole (padded) bucket on rank ``to``, CPU
-        tensors; None on the other ranks. One bucket at a time, so the extra memory is
-        12 B x one bucket (on the device with NCCL)."""
-        s = b.state
-        local = torch.stack([s.master, s.exp_avg, s.exp_avg_sq]).to(self.coll.device)
+    def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
+        """Each of ``shards`` (this rank's fp32 host shards of the bucket) as the whole
+        (padded) bucket on rank ``to``, CPU tensors; None on the other ranks. One bucket at
+        a time, so the extra memory is 4 B x one bucket per shard (on the device with NCCL)."""
+        local = torch.stack(shards).to(self.coll.device)
         parts = self.coll.gather_to(local, to, f"gather of bucket {b.layout.index}'s "
                                                f"optimizer state to rank {to}")
-        return tuple(torch.cat(parts, dim=1).cpu()) if parts is not None else None
+        return list(torch.cat(parts, dim=1).cpu()) if parts is not None else None
 
 
 def make_exchange(process_group, *, device, copier, dtype, engine_sync):

@@ -1,10 +1,12 @@
 """What a bucket owns on the host, and what one accumulation window tracks about it.
 
-`HostState`: this rank's shard of the fp32 master weights and both Adam moments, the 16-bit
-staging buffer the CPU-Adam writes new params into (CUDA and the delayed update), and the
-gradient landing buffers (`GradBuffers`), two sets of them with the delayed update, whose
-background step reads one set while the next backward fills the other. Buffers that device
-copies touch are views of the engine's `HostPool` (host.py), which counts them.
+`HostState`: this rank's shard of the fp32 master weights, both Adam moments (fp32, bf16 or
+8-bit codes with block scales: `hf_zoffload.ops.moments`), and the gradient landing buffers
+(`GradBuffers`), two sets of them with the delayed update, whose background step reads one set
+while the next backward fills the other. There is no separate buffer for the new params: the
+CPU-Adam writes them over the 16-bit gradients it has just read (`Bucket.out`), and the upload
+reads them from there. Buffers that device copies touch are views of the engine's `HostPool`
+(host.py), which counts them.
 
 `Window`: per-bucket bookkeeping of one accumulation window (every backward since the last
 ``step()`` / ``zero_grad()``): docs/design.md, "Accumulation window".
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.moments import QBLOCK, STATE_DTYPES, decode_moments, encode_moments, n_blocks
 from .host import HostPool
 from .layout import BucketLayout
 
@@ -33,11 +36,33 @@ class GradBuffers:
 @dataclass(eq=False)
 class HostState:
     master: torch.Tensor
-    exp_avg: torch.Tensor
+    exp_avg: torch.Tensor  # fp32, bf16 or uint8 codes (state_dtype)
     exp_avg_sq: torch.Tensor
     grads: GradBuffers
-    staging: torch.Tensor | None = None  # new 16-bit params; mirrors the device params
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' block scales
     spare: GradBuffers | None = None  # the delayed update's second set, made on first use
+
+    def moments_fp32(self, lo: int = 0, hi: int | None = None):
+        """(exp_avg, exp_avg_sq) of shard elements [lo, hi) as fp32 tensors (views for
+        fp32 state, decoded copies otherwise); ``lo`` starts a block for 8-bit state."""
+        hi = self.master.numel() if hi is None else hi
+        m, v = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
+        if self.scales is None:
+            return m.float(), v.float()  # no copy for fp32
+        b = lo // QBLOCK
+        return decode_moments(m, v, self.scales[0][b:], self.scales[1][b:])
+
+    def set_moments(self, lo: int, m32: torch.Tensor, v32: torch.Tensor) -> None:
+        """Shard elements [lo, lo + len) <- fp32 moments, encoded (rounded to bf16, or to
+        8-bit codes whose blocks start at ``lo``, a block start)."""
+        hi = lo + m32.numel()
+        if self.scales is None:
+            self.exp_avg[lo:hi].copy_(m32)
+            self.exp_avg_sq[lo:hi].copy_(v32)
+            return
+        b = lo // QBLOCK
+        encode_moments(m32, v32, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                       self.scales[0][b:], self.scales[1][b:])
 
     def swap_grads(self, pool: HostPool, index: int) -> None:
         """The delayed update's background step keeps reading the current buffers; the
@@ -53,20 +78,22 @@ class HostState:
         def size(ts):
             return sum(t.numel() * t.element_size() for t in ts)
         sets = [g for g in (self.grads, self.spare) if g is not None]
+        sm, sv = self.scales or (None, None)
         return {
             "master": size([self.master]),
-            "exp_avg": size([self.exp_avg]),
-            "exp_avg_sq": size([self.exp_avg_sq]),
+            "exp_avg": size([t for t in (self.exp_avg, sm) if t is not None]),
+            "exp_avg_sq": size([t for t in (self.exp_avg_sq, sv) if t is not None]),
             "grad_accumulation": size([g.acc for g in sets if g.acc is not None]),
         }
 
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          staging: bool, flat: torch.Tensor | None = None) -> HostState:
+          state_dtype: str = "fp32", flat: torch.Tensor | None = None) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
-    or shared a storage with another param before."""
+    or shared a storage with another param before. Moments start at zero (all-zero codes
+    and scales are zero moments in every ``state_dtype``)."""
     master = torch.zeros(layout.shard, dtype=torch.float32)  # zeros: the padding
     for s in layout.slots:
         src = s.param.detach().reshape(-1) if flat is None else \
@@ -76,16 +103,14 @@ def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, poo
         new = torch.empty(s.param.shape, dtype=dtype, device=device)
         new.view(-1).copy_(src)
         s.param.data = new
+    kind = STATE_DTYPES[state_dtype]
     state = HostState(master=master,
-                      exp_avg=torch.zeros(layout.shard, dtype=torch.float32),
-                      exp_avg_sq=torch.zeros(layout.shard, dtype=torch.float32),
+                      exp_avg=torch.zeros(layout.shard, dtype=kind),
+                      exp_avg_sq=torch.zeros(layout.shard, dtype=kind),
                       grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)))
-    if staging and dtype != torch.float32:
-        # Mirrors the device params at all times, so uploading a whole bucket (or shard)
-        # never changes params that got no gradient. Padding: zeros, never written.
-        state.staging = pool.get(("staging",), layout.index, dtype)
-        state.staging.zero_()
-        layout.copy_from_params(state.staging, layout.start)
+    if kind == torch.uint8:
+        state.scales = (torch.zeros(n_blocks(layout.shard)),
+                        torch.zeros(n_blocks(layout.shard)))
     return state
 
 
@@ -137,13 +162,23 @@ class Bucket:
         copier.after_landed(self.layout.index,
                             lambda: (acc.copy_ if first else acc.add_)(last))
 
-    def new_params(self) -> torch.Tensor | None:
-        """The host buffer holding this shard's new params after the CPU-Adam: the staging
-        buffer, the master itself for fp32 compute, or None when the CPU-Adam wrote them
-        into the params' storage in place (params on the CPU, no delayed update)."""
-        if self.state.staging is not None:
-            return self.state.staging
-        return self.state.master if self.state.master.dtype == self.param_dtype else None
+    def out(self) -> torch.Tensor:
+        """Where the CPU-Adam writes this shard's new 16-bit params when they are copied to
+        the device (CUDA, the delayed update): over the 16-bit grads of the current set, read
+        by then. The fp32 compute dtype uploads the master itself."""
+        g16 = self.state.grads.grad16
+        return self.state.master if g16.dtype == torch.float32 else g16
+
+    def fill_absent(self, out: torch.Tensor, present: list[bool]) -> None:
+        """Slots that got no gradient (``present``): their current params, so that an
+        upload of the whole shard leaves them as they are (rounding the master gives the
+        device value bit for bit: the last upload, or the cast at placement, was that)."""
+        if out is self.state.master:
+            return
+        for s, got in zip(self.layout.slots, present):
+            if not got:
+                own, _ = self.layout.owned(s)
+                out[own].copy_(self.state.master[own])
 
     @property
     def param_dtype(self) -> torch.dtype:

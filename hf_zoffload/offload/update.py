@@ -15,20 +15,27 @@ from typing import NamedTuple
 import torch
 
 from ..ops.cpu_adam import adam_update_unchecked
+from ..ops.moments import QBLOCK, ratio_cap
 from .state import Bucket
 
 logger = logging.getLogger(__name__)
 
 
-def cpu_threads(explicit: int = 0, *, environ=None) -> int:
+def cpu_threads(explicit: int = 0, *, environ=None, log: bool = False) -> int:
     """The CPU-Adam's thread count: ``explicit`` when > 0, else the cores this process may
     run on (its affinity mask) divided by the processes on this node (``LOCAL_WORLD_SIZE``,
     set by torchrun and accelerate launch), at least 1. Not ``torch.get_num_threads()``:
     ``accelerate launch`` exports OMP_NUM_THREADS=1 even for one GPU process (torchrun for
     several), which would run the memory-bound update on one core."""
-    if explicit:
-        return explicit
-    environ = os.environ if environ is None else environ
+    n = explicit or _available_threads(os.environ if environ is None else environ)
+    if log:
+        (logger.warning if n == 1 else logger.info)(
+            "ZeRO-Offload: the CPU-Adam runs on %d thread(s)%s", n, "" if n > 1 else
+            " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
+    return n
+
+
+def _available_threads(environ) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     try:
@@ -53,12 +60,20 @@ class Work(NamedTuple):
     bucket: Bucket
     grad: torch.Tensor  # the window's gradient of the bucket's shard on the host
     runs: list[Run]
+    out: torch.Tensor | None  # host buffer for the new params (`Bucket.out`); None: in place
+    present: list[bool]  # which slots got a grad: the window's, copied (a delayed update
+    # runs after the engine has started the next window)
 
 
-def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: float) -> list[Work]:
+def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: float, *,
+         in_place: bool) -> list[Work]:
     """The step's CPU-Adam calls over the params that got a gradient in this window. Runs
     outside this rank's shard are dropped, but every rank counts every param's steps
-    (``param_steps`` is advanced here)."""
+    (``param_steps`` is advanced here). ``in_place``: the CPU-Adam writes the new 16-bit
+    values into the params' own storage (params on the CPU, no delayed update)."""
+    if any(b.state.scales is not None for b in buckets):  # 8-bit moments
+        for g in param_groups:  # betas changed since the engine was built: refused here
+            ratio_cap(*g["betas"])
     work = []
     for b in buckets:
         if not any(b.window.present):
@@ -73,25 +88,30 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
                 g = param_groups[run[0].group]
                 runs.append(Run(lo - lay.start, hi - lay.start, param_steps[run[0].index],
                                 {k: v for k, v in g.items() if k != "params"}, grad_scale))
-        work.append(Work(b, b.grad(), runs))
+        out = b.out()
+        work.append(Work(b, b.grad(), runs,
+                         None if in_place and out.dtype != torch.float32 else out,
+                         list(b.window.present)))
     return work
 
 
 def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float, float]:
-    """Run the planned calls; after each bucket, ``publish(bucket)`` if given (async on
-    CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam
+    """Run the planned calls; after each bucket, ``publish(bucket, out)`` if given (async
+    on CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam
     and in ``publish``."""
     t_adam = t_publish = 0.0
-    for b, grad, runs in work:
+    for b, grad, runs, out, present in work:
         s = b.state
-        copier.wait_uploaded(b.layout.index)  # its last upload has read the staging buffer
-        in_place = b.new_params() is None
+        copier.wait_uploaded(b.layout.index)  # its last upload has read `out`
         t0 = time.perf_counter()
+        if out is not None:
+            b.fill_absent(out, present)
         for r in runs:
             # In place, the new 16-bit values go straight into each param's own storage:
-            # one call per param (the kernel is bitwise the same for any split).
-            parts = b.layout.param_pieces(r.lo, r.hi) if in_place else \
-                [(r.lo, r.hi, None if s.staging is None else s.staging[r.lo:r.hi])]
+            # one call per param (the kernel is bitwise the same for any split; with 8-bit
+            # moments every param starts on a block, layout.py).
+            parts = b.layout.param_pieces(r.lo, r.hi) if out is None else \
+                [(r.lo, r.hi, None if out is s.master else out[r.lo:r.hi])]
             g = r.hyper
             for a, z, out16 in parts:
                 # Unchecked: every buffer here was built and sized by this engine; the
@@ -100,10 +120,12 @@ def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float,
                     s.master[a:z], grad[a:z], s.exp_avg[a:z], s.exp_avg_sq[a:z],
                     step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                     eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                    out16=out16, num_threads=threads)
+                    out16=out16, num_threads=threads,
+                    scales=None if s.scales is None else
+                    (s.scales[0][a // QBLOCK:], s.scales[1][a // QBLOCK:]))
         t1 = time.perf_counter()
         t_adam += t1 - t0
         if publish is not None:
-            publish(b)
+            publish(b, out)
             t_publish += time.perf_counter() - t1
     return t_adam, t_publish

@@ -25,6 +25,9 @@ import warnings
 
 import torch
 
+from ._native import ext as _ext
+from .moments import QBLOCK, decode_reference, encode_reference, n_blocks, ratio_cap
+
 __all__ = [
     "adam_update",
     "check_hyper",
@@ -36,20 +39,8 @@ __all__ = [
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # moments: fp32, bf16, 8-bit codes
 _ISA_FLAGS = ("avx2", "avx512f", "f16c", "avx512_bf16")
-
-
-@functools.cache
-def _ext():
-    try:
-        from hf_zoffload.ops import _cpu_adam
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "hf_zoffload.ops._cpu_adam (the compiled CPU-Adam) is missing: the package was not "
-            "built. Reinstall from the source tree with `pip install -e .` (needs gcc and the "
-            "Python headers)."
-        ) from exc
-    return _cpu_adam
 
 
 def openmp_available() -> bool:
@@ -168,19 +159,36 @@ def _check_buffer(name, t, dtypes, numel=None):
 
 
 def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, beta2, eps,
-                weight_decay, grad_scale, adamw_mode, bias_correction, num_threads):
+                weight_decay, grad_scale, adamw_mode, bias_correction, num_threads,
+                scales=None):
     """Validate everything before any work; returns the scalars as floats."""
     _check_buffer("master", master, (torch.float32,))
     n = master.numel()
     _check_buffer("grad", grad, _GRAD_DTYPES, n)
-    _check_buffer("exp_avg", exp_avg, (torch.float32,), n)
-    _check_buffer("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check_buffer("exp_avg", exp_avg, _STATE_DTYPES, n)
+    _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
     named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if exp_avg.dtype == torch.uint8:
+        if not isinstance(scales, (tuple, list)) or len(scales) != 2:
+            raise ValueError("8-bit moments (uint8 exp_avg) need scales=(exp_avg scales, "
+                             f"exp_avg_sq scales), got {scales!r}")
+        for name, t in zip(("scales[0]", "scales[1]"), scales):
+            _check_buffer(name, t, (torch.float32,))
+            if t.numel() != n_blocks(n):
+                raise ValueError(f"{name} has {t.numel()} elements; {n} elements in blocks "
+                                 f"of {QBLOCK} need {n_blocks(n)}")
+        named += [("scales[0]", scales[0]), ("scales[1]", scales[1])]
+    elif scales is not None:
+        raise ValueError(f"scales are for 8-bit moments; exp_avg is {exp_avg.dtype}")
     if out16 is not None:
         _check_buffer("out16", out16, _OUT_DTYPES, n)
-        named.append(("out16", out16))
+        # the output may be the 16-bit grad buffer itself: each grad is read before its
+        # param is written there
+        if not (out16.data_ptr() == grad.data_ptr() and out16.dtype == grad.dtype):
+            named.append(("out16", out16))
     if n:
-        spans = sorted((t.data_ptr(), t.data_ptr() + n * t.element_size(), nm) for nm, t in named)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), nm)
+                       for nm, t in named)
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
                 raise ValueError(f"{a} and {b} overlap in memory; every buffer must be distinct")
@@ -193,35 +201,42 @@ def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, be
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
-    return (*check_hyper(lr, (beta1, beta2), eps, weight_decay, beta_names=("beta1", "beta2")),
-            _check_real("grad_scale", grad_scale))
+    hyper = check_hyper(lr, (beta1, beta2), eps, weight_decay, beta_names=("beta1", "beta2"))
+    if exp_avg.dtype == torch.uint8:
+        ratio_cap(hyper[1], hyper[2])
+    return (*hyper, _check_real("grad_scale", grad_scale))
 
 
 def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
                 adamw_mode: bool = True, bias_correction: bool = True,
-                out16: torch.Tensor | None = None, num_threads: int | None = None) -> None:
+                out16: torch.Tensor | None = None, num_threads: int | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One Adam/AdamW step over flat CPU buffers, in one compiled pass (GIL released).
 
-    master, exp_avg, exp_avg_sq: 1-D contiguous fp32, updated in place.  grad: 1-D contiguous
-    fp32/fp16/bf16, multiplied by ``grad_scale`` inside the pass.  adamw_mode: decoupled decay
-    (p *= 1 - lr*wd); else L2 (g += wd*p).  out16: optional fp16/bf16 buffer that receives the
-    new master rounded to nearest even.  num_threads: None means torch.get_num_threads().
-    Results are bitwise identical for any num_threads and any split of the buffers.
+    master: 1-D contiguous fp32, updated in place.  exp_avg, exp_avg_sq: 1-D contiguous, both
+    fp32, both bf16 (rounded to nearest even after the update) or both uint8: the 8-bit block
+    codes of `hf_zoffload.ops.moments`, with ``scales`` their two fp32 block-scale buffers.
+    grad: 1-D contiguous fp32/fp16/bf16, multiplied by ``grad_scale`` inside the pass.
+    adamw_mode: decoupled decay (p *= 1 - lr*wd); else L2 (g += wd*p).  out16: optional
+    fp16/bf16 buffer that receives the new master rounded to nearest even; it may be ``grad``
+    itself.  num_threads: None means torch.get_num_threads().  Results are bitwise identical
+    for any num_threads and any split of the buffers (8-bit moments: any split on a block).
     """
     _update(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
-            bias_correction=bias_correction, out16=out16, num_threads=num_threads)
+            bias_correction=bias_correction, out16=out16, num_threads=num_threads,
+            scales=scales)
 
 
 def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
             grad_scale=1.0, adamw_mode=True, bias_correction=True, out16=None, num_threads=None,
-            variant="auto"):
+            variant="auto", scales=None):
     """adam_update with a choice of compiled variant (tests compare them bit for bit)."""
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
-        bias_correction=bias_correction, num_threads=num_threads)
+        bias_correction=bias_correction, num_threads=num_threads, scales=scales)
     ext = _ext()
     _checked_variant()
     if variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[variant]):
@@ -229,12 +244,16 @@ def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, w
     adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
                           beta2=beta2, eps=eps, weight_decay=wd, grad_scale=gs,
                           adamw_mode=adamw_mode, bias_correction=bias_correction, out16=out16,
-                          num_threads=num_threads, variant=variant)
+                          num_threads=num_threads, variant=variant, scales=scales)
+
+
+_STATE_KIND = {torch.float32: 0, torch.bfloat16: 2, torch.uint8: 4}  # adam_kernel.h's kinds
 
 
 def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
                           weight_decay, grad_scale=1.0, adamw_mode=True, bias_correction=True,
-                          out16=None, num_threads=None, variant="auto"):
+                          out16=None, num_threads=None, variant="auto", scales=None,
+                          qblock=QBLOCK):
     """`adam_update` without the argument checks, for a caller that validated its buffers
     once and calls many times (the engine: one call per param on the CPU, where the checks
     cost ~100 us a call, ~15 ms a step for GPT-2's 148 params). Bad arguments here are
@@ -260,7 +279,10 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         grad_scale, 1.0 - lr * wd if adamw_mode else 1.0, wd,
         weight if small else weight - 1.0, beta2, 1.0 - beta2, 1.0 / bc2**0.5, eps, -(lr / bc1),
         torch.get_num_threads() if num_threads is None else num_threads,
-        ext.VARIANTS[variant],
+        ext.VARIANTS[variant], _STATE_KIND[exp_avg.dtype],
+        0 if scales is None else scales[0].data_ptr(),
+        0 if scales is None else scales[1].data_ptr(), qblock,
+        1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0,
     )
 
 
@@ -268,16 +290,25 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
                           beta1: float, beta2: float, eps: float, weight_decay: float,
                           grad_scale: float = 1.0, adamw_mode: bool = True,
                           bias_correction: bool = True, out16: torch.Tensor | None = None,
-                          num_threads: int | None = None) -> None:
+                          num_threads: int | None = None,
+                          scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """adam_update in plain torch ops, as torch.optim.Adam(W)'s single-tensor path writes them.
 
     Same validation and signature; num_threads is checked but has no effect on the result
-    (every op is elementwise), so it does not change torch's global thread setting.
+    (every op is elementwise), so it does not change torch's global thread setting. bf16
+    moments are widened, updated as fp32 ones and rounded back. 8-bit moments follow the
+    kernel op for op (`moments.decode_reference`, the capped update, `encode_reference`), so
+    kernel and reference agree bit for bit there.
     """
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
-        bias_correction=bias_correction, num_threads=num_threads)
+        bias_correction=bias_correction, num_threads=num_threads, scales=scales)
+    if exp_avg.dtype != torch.float32:
+        _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, step=step, lr=lr,
+                           beta1=beta1, beta2=beta2, eps=eps, wd=wd, gs=gs,
+                           adamw_mode=adamw_mode, bias_correction=bias_correction)
+        return
     with torch.no_grad():
         g = grad.float().mul(gs)  # a new tensor even for fp32 grads: grad is never written
         if wd != 0.0:
@@ -293,3 +324,36 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
         master.addcdiv_(exp_avg, denom, value=-(lr / bc1))
         if out16 is not None:
             out16.copy_(master)
+
+
+@torch.no_grad()
+def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step, lr, beta1,
+                       beta2, eps, wd, gs, adamw_mode, bias_correction):
+    """The reference over bf16 or 8-bit moments (validated by the caller)."""
+    q8 = exp_avg.dtype == torch.uint8
+    m, v = decode_reference(exp_avg, exp_avg_sq, *scales) if q8 else \
+        (exp_avg.float(), exp_avg_sq.float())
+    if not q8:
+        adam_update_reference(master, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                              eps=eps, weight_decay=wd, grad_scale=gs, adamw_mode=adamw_mode,
+                              bias_correction=bias_correction, out16=out16)
+        exp_avg.copy_(m)  # round to nearest even
+        exp_avg_sq.copy_(v)
+        return
+    g = grad.float().mul(gs)
+    master.mul_(1.0 - lr * wd if adamw_mode else 1.0)
+    if not adamw_mode and wd != 0.0:
+        g = g.add(master, alpha=wd)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    s = v.double().sqrt().float()  # correctly rounded, as sqrtf
+    cap = m.abs().mul(1.0 / ratio_cap(beta1, beta2))
+    d = torch.where(cap > s, cap, s).mul(1.0 / bc2**0.5).add(eps)
+    master.addcdiv_(m, d, value=-(lr / bc1))
+    if out16 is not None:
+        out16.copy_(master)
+    codes = encode_reference(m, v)
+    for dst, src in zip((exp_avg, exp_avg_sq, *scales), codes):
+        dst.copy_(src)

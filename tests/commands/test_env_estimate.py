@@ -35,7 +35,37 @@ def test_env_names_versions_simd_kernel_and_config(capsys):
     for feature in ("AVX2", "AVX-512F", "F16C", "AVX512-BF16"):
         assert f"{feature} yes" in simd or f"{feature} no" in simd
     assert "- CPU-Adam kernel: " in out and ("OpenMP" in out or "MISSING" in out)
-    assert "compute_dtype: bf16" in out  # the effective config, defaults here
+    # the effective config: nothing set, so the compute dtype follows each path's precision
+    assert "compute_dtype: not set: the Trainer follows --fp16/--bf16" in out
+    assert "bucket_size_mb: 32.0 (default)" in out
+
+
+def test_env_finds_the_sidecar_launch_uses(tmp_path, monkeypatch, capsys):
+    """Right after `config --default`, env shows the sidecar it wrote beside accelerate's
+    default config (it used to say there was none), as `launch` would use it."""
+    import accelerate.commands.config.config_args as config_args
+
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "default_config.yaml"))
+    assert main(["config", "--default"]) == 0
+    side = tmp_path / "default_config_zoffload.yaml"
+    side.write_text("zero_offload: true\nzoffload: {cpu_threads: 3}\n")
+    capsys.readouterr()
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"- ZeRO-Offload config: {side}; enabled: True" in out
+    assert "    cpu_threads: 3\n" in out  # chosen: no "(default)"
+    from hf_zoffload.commands.launch import find_sidecar
+
+    assert find_sidecar(zoffload_config=None, config_file=None, environ={}) == str(side)
+
+
+def test_version(capsys):
+    import hf_zoffload
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-zoffload {hf_zoffload.__version__}"
 
 
 def test_env_still_reports_without_the_kernel_and_with_a_bad_setting(monkeypatch, capsys):
@@ -71,15 +101,16 @@ def test_estimate_7b_bf16_by_hand(capsys, monkeypatch):
     rep = r["report"]
     # device: bf16 params, plus two 32 MiB buckets of 16-bit grads in flight
     assert rep["device"] == {"params": 2 * n, "grad_buckets": 2 * 32 * MIB}
-    # host: fp32 master + two moments (12 B/param), bf16 grad and param staging (2 + 2)
-    assert rep["host_total"] == 16 * n
+    # host: fp32 master + two moments (12 B/param), bf16 grads (2), which the new params
+    # overwrite on their way back: no param staging buffer
+    assert rep["host_total"] == 14 * n
     assert rep["plain_adamw_device_total"] == 16 * n
     gpu, plain, host = (r["fits"][k] for k in ("gpu_zero_offload", "gpu_plain_adamw",
                                                 "host_zero_offload"))
     assert gpu == {"need": 2 * n + 64 * MIB, "have": 24 * 2**30, "fits": True,
                    "headroom": 24 * 2**30 - 2 * n - 64 * MIB}
     assert plain["fits"] is False and plain["headroom"] == 24 * 2**30 - 16 * n
-    assert host == {"need": 16 * n, "have": 128 * 10**9, "fits": True, "headroom": 16 * 10**9}
+    assert host == {"need": 14 * n, "have": 128 * 10**9, "fits": True, "headroom": 30 * 10**9}
     assert main(["estimate", "--params", "7B", "--compute_dtype", "bf16", "--gpu_memory",
                  "24GiB"]) == 0
     text = capsys.readouterr().out
@@ -102,8 +133,9 @@ def test_estimate_tiny_gpt2_fp16_two_gpus_delayed_by_hand(capsys, tmp_path, monk
     assert rep["device"] == {"params": 2 * n, "grad_buckets": 2 * n}
     assert rep["host"] == {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard,
                            "grad_staging": 2 * 2 * shard,  # doubled by the delayed update
-                           "param_staging": 2 * shard, "grad_accumulation": 0}
-    assert rep["host_total"] == 1_550_592 and r["host_total_all_ranks"] == 3_101_184
+                           "grad_accumulation": 0}
+    assert rep["host_total"] == 16 * shard == 1_378_304
+    assert r["host_total_all_ranks"] == 2_756_608
     assert rep["plain_adamw_device_total"] == 16 * n
     # the same model from a local config.json counts the same
     from transformers import GPT2Config
@@ -126,10 +158,28 @@ def test_estimate_counts_pinned_staging_as_the_pool_holds_it(capsys, monkeypatch
     per = 32 * MIB // 2  # params per 32 MiB bucket of 16-bit grads
     sizes = [2 * min(per, n - i) for i in range(0, n, per)]
     held = sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
-    assert rep["host"]["grad_staging"] == rep["host"]["param_staging"] == held
+    assert rep["host"]["grad_staging"] == held and "param_staging" not in rep["host"]
     assert 2 * n <= held < 1.02 * 2 * n
     tiny = _json(capsys, "--params", "1000", "--compute_dtype", "bf16")["report"]
     assert tiny["host"]["grad_staging"] == 2048  # 2000 B, 64-aligned, in a 2 KiB block
+
+
+def test_estimate_says_which_state_dtype_fits(capsys, monkeypatch):
+    """7B on a 24 GiB GPU and 64 GiB of host memory: only 8-bit moments fit (14 / 10 / about
+    8 B/param on the host)."""
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")
+    assert main(["estimate", "--params", "7B", "--gpu_memory", "24GiB", "--host_memory",
+                 "64GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "state_dtype=fp32  needs   91.27 GiB: DOES NOT FIT" in text
+    assert "state_dtype=bf16  needs   65.19 GiB: DOES NOT FIT" in text
+    assert "state_dtype=int8  needs   52.36 GiB: fits" in text
+    r = _json(capsys, "--params", "7B", "--state_dtype", "int8", "--host_memory", "64GiB")
+    assert r["report"]["state_dtype"] == "int8" and r["fits"]["host_zero_offload"]["fits"]
+    n = 7 * 10**9
+    assert r["report"]["host"]["exp_avg"] == int((1 + 4 / 256) * n)  # codes + block scales
+    assert {m: v["fit"]["fits"] for m, v in r["host_by_state_dtype"].items()} == \
+        {"fp32": False, "bf16": False, "int8": True}
 
 
 def test_estimate_never_downloads(capsys):
@@ -146,12 +196,20 @@ def test_parse_count(text, value):
 
 @pytest.mark.parametrize("text,value", [("24GB", 24 * 10**9), ("80GiB", 80 * 2**30),
                                         ("80G", 80 * 2**30), ("512 MiB", 512 * MIB),
-                                        ("1.5TB", 1_500_000_000_000), ("4096", 4096)])
+                                        ("1.5TB", 1_500_000_000_000), ("4096B", 4096)])
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["7 apples", "GB", "", "-1GB"])
+@pytest.mark.parametrize("text", ["7 apples", "GB", "", "-1GB", "24"])
 def test_parse_errors_name_the_units(text):
-    with pytest.raises(ValueError, match="expected a number with an optional unit"):
+    # a bare number is refused: "--gpu_memory 24" used to read 24 bytes
+    with pytest.raises(ValueError, match="expected a number with a unit, one of b, kb"):
         parse_size(text)
+
+
+def test_gpu_memory_without_a_unit_is_refused(capsys):
+    assert main(["estimate", "--params", "7B", "--gpu_memory", "24"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("hf-zoffload estimate: --gpu_memory '24': expected a number with a "
+                          "unit") and "24GiB" in out

@@ -21,7 +21,7 @@ What stands for what:
 - ``finish_uploads()`` makes the *compute stream* wait (rule 4): with ``lazy_uploads`` (the
   default) it only records how far, and the next forward waits there, through a global module
   forward pre-hook (`forward_waits`), so the host runs ahead as on CUDA and a CPU-Adam that
-  overwrites a staging buffer without ``wait_uploaded`` races its upload. Anything else that
+  overwrites an upload's source without ``wait_uploaded`` races its upload. Anything else that
   reads params "on the device" must call `synchronize()` first (tests comparing params do);
 - device buffers (`twin(zero=False)`, `side_buffer`, `to_device`) start as NaN, never as a
   host buffer: the host buffer changes only when the worker copies into it;
@@ -47,6 +47,7 @@ _live: weakref.WeakSet = weakref.WeakSet()  # open copiers, for the forward pre-
 
 class AsyncCopier:
     pinned = False
+    params_on_host = False  # as CUDA: new params go up through to_params / to_flat
 
     def __init__(self, seed: int = 0, *, max_delay_s: float = 0.003,
                  chunk_delay_s: float = 0.001, max_chunks: int = 3,
@@ -264,38 +265,31 @@ def forward_waits():
         handle.remove()
 
 
-def _place_with_staging(place):
-    def wrapped(*args, staging, **kwargs):
-        return place(*args, staging=True, **kwargs)
-    return wrapped
-
-
 @contextlib.contextmanager
 def installed(seed: int, *, cuda_path: bool = True, **options):
     """Engines built inside use a fresh `AsyncCopier` each (seeds seed, seed + 1, ...), and
-    forwards wait as on CUDA. ``cuda_path``: also give every bucket the 16-bit staging buffer
-    that CUDA uses, so the CPU-Adam writes there and the new params go up through
-    ``to_params`` / ``to_flat`` (on the CPU the engine otherwise writes them in place and
-    uploads nothing). Yields the list of copiers made; closes them on the way out."""
+    forwards wait as on CUDA. ``cuda_path``: the CPU-Adam writes the new params over the
+    16-bit grads and they go up through ``to_params`` / ``to_flat``, as on CUDA (else the
+    engine writes them into the params in place and uploads nothing, as on the CPU).
+    Yields the list of copiers made; closes them on the way out."""
     import hf_zoffload.offload.engine as engine
 
     made: list[AsyncCopier] = []
 
     def make_copier(device, *, pin):
         made.append(AsyncCopier(seed + len(made), **options))
+        made[-1].params_on_host = not cuda_path
         return made[-1]
 
-    saved = engine.make_copier, engine.place
+    saved = engine.make_copier
     engine.make_copier = make_copier
-    if cuda_path:
-        engine.place = _place_with_staging(saved[1])
     ok = False
     try:
         with forward_waits():
             yield made
         ok = True
     finally:
-        engine.make_copier, engine.place = saved
+        engine.make_copier = saved
         errors = []
         for c in made:
             try:

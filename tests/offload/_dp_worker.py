@@ -120,8 +120,9 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
                   "sched": sched.state_dict()}  # opt.state_dict(): every rank calls it
             if rank == 0:
                 torch.save(sd, save)
+    masters = opt.master_state_dict(model)  # a collective: rank 0 gets it, the others None
     _synchronize(opt)
-    return {"losses": losses, "norms": norms,
+    return {"losses": losses, "norms": norms, "masters": masters,
             "params": [p.detach().clone() for p in model.parameters()],
             "memory": opt.memory_report(), "no_sync_bytes": no_sync_bytes,
             "sent": dict(opt.exchange.sent) if opt.exchange.world > 1 else {}}

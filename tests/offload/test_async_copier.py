@@ -4,17 +4,20 @@ through the default `HostCopier` (copies at once). A missing `wait_landed` / `wa
 forward wait reads stale or half-written buffers there and the results part.
 
 The async runs also take CUDA's data path (`installed(cuda_path=True)`): the CPU-Adam writes
-the 16-bit staging buffer and `to_params` / `to_flat` upload it, where the CPU engine would
+the new params over the bucket's 16-bit grads and `to_params` / `to_flat` upload them (params
+that got no grad included: the head gets one on even steps only), where the CPU engine would
 write the params in place. The reference is the engine as it runs on the CPU."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import pytest
 import torch
 
+from hf_zoffload.offload.delayed import DelayedUpdate
 from tests.offload import _dp_worker as w
 from tests.offload._async_copier import AsyncCopier, installed, synchronize
 
@@ -120,9 +123,10 @@ def test_copier_reads_stale_without_a_wait_and_relays_errors():
 
 
 # --------------------------------------------------- the engine, one process
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_one_process_bitwise_through_async_copier(dtype):
-    _compare(1, steps=4, compute_dtype=dtype)
+@pytest.mark.parametrize("dtype,state", [("bf16", "fp32"), ("fp32", "fp32"), ("bf16", "bf16"),
+                                         ("bf16", "int8")])
+def test_one_process_bitwise_through_async_copier(dtype, state):
+    _compare(1, steps=4, compute_dtype=dtype, state_dtype=state)
 
 
 def test_accumulation_bitwise_through_async_copier():
@@ -135,9 +139,29 @@ def test_fp16_overflow_bitwise_through_async_copier():
     assert [s["skipped"] for s in ref[:-1]] == [False, True, False, False]
 
 
-def test_delayed_update_bitwise_through_async_copier():
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_a_late_delayed_update_reads_only_what_its_step_planned(monkeypatch, state):
+    """The background step starts only after step() has returned and the next window has
+    begun (window reset, hooks writing the other buffer set): it must read nothing of the
+    engine's per-window state. (Which slots got a grad was once read there: the new
+    params of the slots that got none were then written over grads not yet read.)"""
+    ref, _ = _train(steps=5, compute_dtype="bf16", delayed_update=True,
+                    delayed_update_warmup_steps=1, state_dtype=state)
+    real = DelayedUpdate.start
+
+    def late(self, fn, **kwargs):
+        return real(self, lambda: (time.sleep(0.05), fn()), **kwargs)
+
+    monkeypatch.setattr(DelayedUpdate, "start", late)
+    got, _ = _train(steps=5, compute_dtype="bf16", delayed_update=True,
+                    delayed_update_warmup_steps=1, state_dtype=state)
+    _same(got, ref, "step")
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_delayed_update_bitwise_through_async_copier(state):
     ref = _compare(4, steps=5, accum=2, compute_dtype="bf16", delayed_update=True,
-                   delayed_update_warmup_steps=1)
+                   delayed_update_warmup_steps=1, state_dtype=state)
     assert [s["host"] is None for s in ref[:-1]] == [False] + [True] * 4  # it overlapped
 
 

@@ -100,7 +100,7 @@ def test_bf16_matches_fp32_master_reference():
     ref_model = copy.deepcopy(base).to(torch.bfloat16)
     master = [p.detach().float().clone().requires_grad_(True) for p in base.parameters()]
     ref_opt = torch.optim.AdamW(master, lr=LR, weight_decay=0.0)
-    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR,
+    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR, weight_decay=0.0,
                                plugin=ZeroOffloadPlugin(compute_dtype="bf16"))
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     for step in range(8):
@@ -252,7 +252,7 @@ def test_adamw_checkpoint_loads_and_back():
     ref.step()
     sd = copy.deepcopy(ref.state_dict())
     ours = copy.deepcopy(model)
-    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR,
+    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR, weight_decay=0.0,
                                plugin=ZeroOffloadPlugin(compute_dtype="fp32"))
     opt.load_state_dict(sd)
     back = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=LR)
@@ -272,7 +272,7 @@ def test_delayed_update_matches_its_reference():
     stale = copy.deepcopy(ref)  # the params the reference's forward sees
     ours = copy.deepcopy(ref)
     ref_opt = CPUAdam(ref.parameters(), lr=LR, weight_decay=0.0)
-    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR, plugin=ZeroOffloadPlugin(
+    opt = ZeroOffloadOptimizer(ours.parameters(), lr=LR, weight_decay=0.0, plugin=ZeroOffloadPlugin(
         compute_dtype="fp32", delayed_update=True, delayed_update_warmup_steps=warmup))
     for step in range(steps):
         ids = data[step % len(data)]

@@ -84,6 +84,23 @@ def test_bf16_two_ranks_track_one_rank(two, one):
 
 
 @pytest.mark.slow
+def test_master_state_dict_gathers_the_sharded_masters_onto_rank0(two, one):
+    r0, r1 = two["bf16"]
+    assert r1["masters"] is None
+    m2, m1 = r0["masters"], one["bf16"]["masters"]
+    names = [n for n, _ in w.Model().named_parameters()]
+    assert list(m2) == list(m1) and set(names) <= set(m2)
+    for name, p in zip(names, r0["params"]):
+        if name.startswith("frozen."):  # not trained: the model's own bf16 values
+            assert m2[name].dtype == torch.bfloat16 and torch.equal(m2[name], p)
+            continue
+        assert m2[name].dtype == torch.float32 and m2[name].shape == p.shape
+        # every rank's shard, in place: rounding the masters gives the params bit for bit
+        assert torch.equal(m2[name].to(torch.bfloat16), p), name
+        torch.testing.assert_close(m2[name], m1[name], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.slow
 def test_no_collective_on_non_boundary_micro_steps(two):
     r0, _ = two["fp32"]
     assert r0["no_sync_bytes"] == 0 and r0["sent"]["reduce_scatter"] > 0

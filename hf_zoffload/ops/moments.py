@@ -1,0 +1,152 @@
+"""How the host stores Adam's moments (``state_dtype``), and the 8-bit code's torch reference.
+
+- ``fp32``: as torch does; 8 B/param for both moments.
+- ``bf16``: both moments rounded to bf16 (nearest even) after each update; 4 B/param.
+- ``int8``: block-wise 8-bit codes, one fp32 scale per block of ``QBLOCK`` elements (the
+  block's largest magnitude); ~2 B/param. ``exp_avg``: sign, 4 exponent and 3 mantissa bits
+  of the element over the scale; ``exp_avg_sq`` is stored as its square root (half the range
+  in binades), 4 exponent and 4 mantissa bits. Code 0 is zero, the top code is 1.0 (so the
+  largest element is exact), and encode(decode(codes)) returns the same codes and scales:
+  checkpoints hold the decoded fp32 moments and a resume continues bit for bit. The update
+  caps ``|m| / sqrt(v)`` at exact Adam's own bound (`ratio_cap`), so a sqrt(v) that rounds to
+  zero next to a large element cannot blow an update up. The compiled codec is in
+  cython_ext/adam_kernel.h; `encode_reference` / `decode_reference` are the same code in torch
+  ops (the tests' ground truth).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._native import ext
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+# Elements per block of the 8-bit code: one fp32 scale per 256 elements is 1/64 B per param
+# and moment; 256 also keeps a block's three fp32 tiles (3 KiB) in L1 (docs/design.md).
+QBLOCK = 256
+# Code layout (adam_kernel.h): mantissa bits, the code of 1.0, exponent bias of the code.
+_M_BITS, _U_BITS = 3, 4
+_M_TOP = ((1 << (7 - _M_BITS)) - 1) << _M_BITS  # 120
+_U_TOP = ((1 << (8 - _U_BITS)) - 1) << _U_BITS  # 240
+_M_BIAS = (127 - (_M_TOP >> _M_BITS)) << _M_BITS
+_U_BIAS = (127 - (_U_TOP >> _U_BITS)) << _U_BITS
+
+
+def state_bytes(state_dtype: str) -> float:
+    """Host bytes per element of both moments together, block scales included."""
+    return {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / QBLOCK}[state_dtype]
+
+
+def check_state_dtype(state_dtype) -> torch.dtype:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, "
+                         f"got {state_dtype!r}")
+    return STATE_DTYPES[state_dtype]
+
+
+def ratio_cap(beta1: float, beta2: float) -> float:
+    """R with ``|m_t| <= R * sqrt(v_t)`` for every gradient sequence and step of exact Adam
+    (before bias correction): by Cauchy-Schwarz on ``m_t = (1-b1) sum_k b1^k g_{t-k}``
+    against ``v_t = (1-b2) sum_k b2^k g_{t-k}^2``,
+    ``R = (1-b1) / sqrt((1-b2) (1 - b1^2/b2))``; it exists when ``b1^2 < b2``."""
+    if not beta1 * beta1 < beta2:
+        raise ValueError(f"state_dtype='int8' needs beta1**2 < beta2 (the bound that keeps an "
+                         f"8-bit update finite); got betas ({beta1}, {beta2})")
+    return (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
+
+
+def n_blocks(n: int) -> int:
+    return -(-n // QBLOCK)
+
+
+def encode_moments(m32: torch.Tensor, v32: torch.Tensor, m_codes: torch.Tensor,
+                   v_codes: torch.Tensor, m_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+    """fp32 ``exp_avg`` / ``exp_avg_sq`` -> 8-bit codes and block scales, compiled (the one
+    the update uses; `encode_reference` in torch ops). The first element starts a
+    block; the scale buffers may be longer than needed."""
+    n = m32.numel()
+    m32, v32 = m32.float().contiguous(), v32.float().contiguous()
+    _check_codes(n, m_codes, v_codes, m_scales, v_scales)
+    ext().q8_encode(m32.data_ptr(), v32.data_ptr(), m_codes.data_ptr(), v_codes.data_ptr(),
+                     m_scales.data_ptr(), v_scales.data_ptr(), n, QBLOCK)
+
+
+def decode_moments(m_codes: torch.Tensor, v_codes: torch.Tensor, m_scales: torch.Tensor,
+                   v_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes and block scales -> new fp32 (exp_avg, exp_avg_sq), compiled."""
+    n = m_codes.numel()
+    _check_codes(n, m_codes, v_codes, m_scales, v_scales)
+    m32, v32 = torch.empty(n), torch.empty(n)
+    ext().q8_decode(m32.data_ptr(), v32.data_ptr(), m_codes.data_ptr(), v_codes.data_ptr(),
+                     m_scales.data_ptr(), v_scales.data_ptr(), n, QBLOCK)
+    return m32, v32
+
+
+def _check_codes(n, m_codes, v_codes, m_scales, v_scales) -> None:
+    for name, t, dtype, numel in (("m_codes", m_codes, torch.uint8, n),
+                                  ("v_codes", v_codes, torch.uint8, n),
+                                  ("m_scales", m_scales, torch.float32, n_blocks(n)),
+                                  ("v_scales", v_scales, torch.float32, n_blocks(n))):
+        if t.dtype != dtype or t.device.type != "cpu" or t.dim() != 1 or \
+                not t.is_contiguous() or t.numel() < numel:
+            raise ValueError(f"{name} must be a contiguous 1-D {dtype} CPU tensor of at least "
+                             f"{numel} elements, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64)
+
+
+def _float(bits: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit patterns (held in int64) as floats."""
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+    return scales.repeat_interleave(QBLOCK)[:n]
+
+
+def _code(y: torch.Tensor, mbits: int, bias: int, top: int) -> torch.Tensor:
+    u, sh = _bits(y), 23 - mbits
+    k = ((u + ((1 << (sh - 1)) - 1) + ((u >> sh) & 1)) >> sh) - bias
+    return k.clamp(0, top)
+
+
+def _value(k: torch.Tensor, mbits: int, bias: int) -> torch.Tensor:
+    return torch.where(k > 0, _float((k + bias) << (23 - mbits)), 0.0)
+
+
+def _scales(x: torch.Tensor) -> torch.Tensor:
+    n = x.numel()
+    padded = torch.zeros(n_blocks(n) * QBLOCK, dtype=torch.int64)
+    padded[:n] = _bits(x) & 0x7FFFFFFF
+    top = padded.view(-1, QBLOCK).amax(dim=1)  # integer max: NaN wins, as in the kernel
+    return torch.where(top < 0x00800000, 0.0, _float(top))
+
+
+def encode_reference(m: torch.Tensor, v: torch.Tensor):
+    """fp32 ``exp_avg``, ``exp_avg_sq`` -> (m codes, u codes, m scales, u scales)."""
+    n = m.numel()
+    # correctly rounded, as the kernel's sqrtf (torch's fp32 sqrt on the CPU can be an ulp
+    # off); a double's 53 bits make rounding it to fp32 afterwards exact for sqrt
+    u = v.double().sqrt().float()
+    sm, su = _scales(m), _scales(u)
+    im = torch.where(sm == 0, 0.0, 1.0 / sm)
+    iu = torch.where(su == 0, 0.0, 1.0 / su)
+    km = _code(m.abs() * _per_element(im, n), _M_BITS, _M_BIAS, _M_TOP)
+    km = km | torch.where((km > 0) & (_bits(m) < 0), 0x80, 0)  # zero has one code
+    ku = _code(u * _per_element(iu, n), _U_BITS, _U_BIAS, _U_TOP)
+    return km.to(torch.uint8), ku.to(torch.uint8), sm, su
+
+
+def decode_reference(mc: torch.Tensor, uc: torch.Tensor, sm: torch.Tensor, su: torch.Tensor):
+    """(m codes, u codes, m scales, u scales) -> fp32 ``exp_avg``, ``exp_avg_sq``."""
+    n = mc.numel()
+    c = mc.to(torch.int64)
+    mag = _value(c & 0x7F, _M_BITS, _M_BIAS) * _per_element(sm, n)
+    m = _float(_bits(mag) | ((c & 0x80) << 24))
+    u = _value(uc.to(torch.int64), _U_BITS, _U_BIAS) * _per_element(su, n)
+    return m, u * u

@@ -1,0 +1,277 @@
+"""Compact Adam moments (``state_dtype`` bf16 / int8): the 8-bit block code against its torch
+reference, the kernel over compact moments against its reference and against fp64 Adam.
+
+Bounds, derived from the code (hf_zoffload/ops/moments.py), for an element x of a block whose
+scale (largest magnitude) is s:
+- exp_avg, 3 mantissa bits, values 2^-15 .. 1 of s: above the flush level, round to nearest
+  costs at most half a step, 2^-4 of |x|; below 1.0625 * 2^-15 * s (the midpoint between
+  zero's code and the smallest nonzero one, 1.125 * 2^-15), x becomes 0: error <= |x| there.
+  So |x - dec| <= max(2^-4 |x|, 1.0625 * 2^-15 s) plus the decode's one fp32 rounding.
+- sqrt(exp_avg_sq) = u, 4 mantissa bits: |u - dec| <= max(2^-5 |u|, 1.03125 * 2^-15 s_u).
+- bf16: round to nearest even, 8 bits of mantissa: relative error <= 2^-9.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import moments as mo
+
+ODD_SIZES = [1, 7, 255, 257, 4097, 1_000_003]
+HP = dict(beta1=0.9, beta2=0.999, eps=1e-8)
+VARIANTS = ["generic"] + [v for v in ("native", "avx2", "avx512bf16")
+                          if ca._ext().variant_available(ca._ext().VARIANTS[v])]
+ULP = 2.0**-23
+
+
+def _moments(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes over 12 decades, so every block mixes flushed, small and large elements
+    m = torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-10, 2, generator=gen)
+    v = (torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-10, 1, generator=gen))**2
+    return m, v
+
+
+def _encode(m, v):
+    n = m.numel()
+    out = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8),
+           torch.empty(mo.n_blocks(n)), torch.empty(mo.n_blocks(n)))
+    mo.encode_moments(m, v, *out)
+    return out
+
+
+def _per_element(scales, n):
+    return scales.repeat_interleave(mo.QBLOCK)[:n]
+
+
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_codec_equals_reference_and_round_trips(n):
+    m, v = _moments(n, seed=n)
+    m[::5] = 0.0
+    v[::3] = 0.0
+    m[1::97] = torch.tensor(1e-40)  # fp32 subnormals
+    v[2::89] = torch.tensor(1e-41)
+    codes = _encode(m, v)
+    ref = mo.encode_reference(m, v)
+    for a, b in zip(codes, ref):
+        assert torch.equal(a, b)
+    dm, dv = mo.decode_moments(*codes)
+    rm, rv = mo.decode_reference(*ref)
+    assert torch.equal(dm, rm) and torch.equal(dv, rv)
+    again = _encode(dm, dv)  # encode(decode(codes)) == codes: an exact resume
+    for a, b in zip(again, codes):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_codec_error_within_the_derived_bound(n):
+    m, v = _moments(n, seed=n + 1)
+    mc, uc, sm, su = _encode(m, v)
+    dm, dv = mo.decode_moments(mc, uc, sm, su)
+    s = _per_element(sm, n)
+    bound = torch.maximum(2.0**-4 * m.abs(), 1.0625 * 2.0**-15 * s) * (1 + 2 * ULP)
+    assert ((dm - m).abs() <= bound).all()
+    u, du, su_ = v.double().sqrt(), dv.double().sqrt(), _per_element(su, n).double()
+    bound_u = torch.maximum(2.0**-5 * u, 1.03125 * 2.0**-15 * su_) * (1 + 4 * ULP)
+    assert ((du - u).abs() <= bound_u).all()
+    if n > mo.QBLOCK:  # the bound is tight: some elements use most of it
+        assert ((dm - m).abs() > 0.5 * bound).any()
+    # each block's largest element is exact, and its scale is that element
+    blocks = m.abs().new_zeros(mo.n_blocks(n) * mo.QBLOCK)
+    blocks[:n] = m.abs()
+    assert torch.equal(sm, blocks.view(-1, mo.QBLOCK).amax(1))
+
+
+def test_one_huge_value_per_block_flushes_only_what_is_below_the_range():
+    n = 4 * mo.QBLOCK
+    m = torch.full((n,), 1e-3)
+    m[::mo.QBLOCK] = 1e3  # one huge value per block: the rest is 2^-19.9 of it: flushed
+    m[5] = 1e3 * 2.0**-14  # inside the 15 binades: kept within 2^-4
+    mc, uc, sm, su = _encode(m, m * m)
+    dm, dv = mo.decode_moments(mc, uc, sm, su)
+    assert torch.equal(dm[::mo.QBLOCK], m[::mo.QBLOCK])
+    assert (dm[6:mo.QBLOCK] == 0).all()
+    assert abs(dm[5] - m[5]) <= 2.0**-4 * m[5]
+
+
+def test_nan_poisons_its_block_only():
+    m, v = _moments(3 * mo.QBLOCK)
+    m[mo.QBLOCK + 3] = float("nan")
+    dm, _ = mo.decode_moments(*_encode(m, v))
+    assert dm[mo.QBLOCK:2 * mo.QBLOCK].isnan().all()
+    assert not dm[:mo.QBLOCK].isnan().any() and not dm[2 * mo.QBLOCK:].isnan().any()
+
+
+def _int8_state(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = m * m * (1 + torch.rand(n, generator=gen)) * 4
+    return [p, *_encode(m, v)]
+
+
+def _grad(n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-4, 0, generator=gen)
+            ).to(dtype)
+
+
+def _step(fn, state, grad, out, *, step=3, **kw):
+    p, mc, uc, sm, su = state
+    fn(p, grad, mc, uc, step=step, lr=1e-3, weight_decay=0.01, out16=out, scales=(sm, su),
+       **HP, **kw)
+
+
+@pytest.mark.parametrize("n", ODD_SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_int8_kernel_bitwise_equals_reference(n, grad_dtype, adamw_mode):
+    state = _int8_state(n, seed=n)
+    grad = _grad(n, grad_dtype, seed=n + 7)
+    ref = [t.clone() for t in state]
+    out, out_ref = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    _step(ca.adam_update, state, grad, out, adamw_mode=adamw_mode)
+    _step(ca.adam_update_reference, ref, grad, out_ref, adamw_mode=adamw_mode)
+    for a, b in zip([*state, out], [*ref, out_ref]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_variants_threads_and_block_splits_are_bitwise_equal(variant, state_dtype):
+    n = 100_003
+    grad = _grad(n, torch.bfloat16, seed=1)
+
+    def run(threads, splits, variant):
+        if state_dtype == "int8":
+            state = _int8_state(n, seed=2)
+        else:
+            p, m, v = _int8_state(n, seed=2)[0], *_moments(n, seed=3)
+            state = [p, m.to(torch.bfloat16), v.to(torch.bfloat16)]
+        g = grad.clone()
+        for lo, hi in zip(splits, splits[1:]):
+            sl = [t[lo:hi] for t in state[:3]]
+            scales = None if state_dtype == "bf16" else \
+                (state[3][lo // mo.QBLOCK:], state[4][lo // mo.QBLOCK:])
+            if scales is not None:  # the kernel's contract: a split starts on a block
+                scales = tuple(s[:mo.n_blocks(hi - lo)] for s in scales)
+            ca._update(*sl[:1], g[lo:hi], *sl[1:], step=5, lr=1e-3, weight_decay=0.01,
+                       out16=g[lo:hi], num_threads=threads, variant=variant, scales=scales,
+                       **HP)  # the output over the grads, as the engine does
+        return [*state, g]
+
+    base = run(1, [0, n], "generic")
+    for threads, splits in [(2, [0, n]), (3, [0, n]), (2, [0, 40 * mo.QBLOCK, n]),
+                            (1, [0, mo.QBLOCK, 7 * mo.QBLOCK, n])]:
+        for a, b in zip(run(threads, splits, variant), base):
+            assert torch.equal(a, b), (threads, splits)
+
+
+def test_bf16_state_matches_reference_within_one_rounding():
+    n = 4097
+    p = torch.randn(n)
+    m, _ = _moments(n, seed=4)
+    m = m.clamp(-1, 1)
+    # a state Adam could reach (|m| <= sqrt(v)): the update stays <= 3.2 lr, as in
+    # test_cpu_adam.py, whose tolerance this is
+    v = (m * m * (1 + torch.rand(n))).to(torch.bfloat16)
+    m = m.to(torch.bfloat16)
+    grad = _grad(n, torch.bfloat16, seed=5)
+    ours, ref = [p.clone(), m.clone(), v.clone()], [p.clone(), m.clone(), v.clone()]
+    ca.adam_update(ours[0], grad, ours[1], ours[2], step=3, lr=1e-3, weight_decay=0.01, **HP)
+    ca.adam_update_reference(ref[0], grad, ref[1], ref[2], step=3, lr=1e-3, weight_decay=0.01,
+                             **HP)
+    torch.testing.assert_close(ours[0], ref[0], atol=2e-6 * 1e-3, rtol=1e-6)
+    for a, b in zip(ours[1:], ref[1:]):  # the fp32 values differ by ulps: one bf16 step at most
+        assert ((a.float() - b.float()).abs() <= 2.0**-8 * b.float().abs()).all()
+
+
+def test_ratio_cap_bounds_an_update_whose_sqrt_v_was_flushed():
+    """A block holding one element with a huge second moment: the others' sqrt(v) are far
+    below its 15 binades and decode to 0, while their first moments (in their own block
+    ranges) survive. Uncapped, their update would be lr * m / eps ~ 1e5 lr; capped, it is at
+    most exact Adam's worst case lr * R * sqrt(bc2) / bc1."""
+    n, lr, step = mo.QBLOCK, 1e-3, 10
+    m = torch.full((n,), 1e-3)
+    v = torch.full((n,), 1e-14)  # sqrt: 1e-7, 2^-33 of the huge element's 1e3: flushed
+    v[0] = 1e6
+    p, mc, uc, sm, su = torch.zeros(n), *_encode(m, v)
+    assert (mo.decode_moments(mc, uc, sm, su)[1][1:] == 0).all()
+    ca.adam_update(p, torch.zeros(n), mc, uc, step=step, lr=lr, weight_decay=0.0,
+                   scales=(sm, su), **HP)
+    r = mo.ratio_cap(HP["beta1"], HP["beta2"])
+    bound = lr * r * math.sqrt(1 - HP["beta2"]**step) / (1 - HP["beta1"]**step)
+    assert (p.abs() <= bound * (1 + 1e-5)).all()
+    assert (p[1:].abs() >= 0.99 * bound).all()  # the cap is what bound them
+
+
+def test_ratio_cap_is_exact_adams_bound():
+    """No gradient sequence lets exact (fp64) Adam exceed R: the adversarial one, which
+    makes Cauchy-Schwarz tight (g_{t-k} proportional to (b1/b2)^k), approaches it."""
+    b1, b2 = HP["beta1"], HP["beta2"]
+    r = mo.ratio_cap(b1, b2)
+    t = 3000
+    g = torch.tensor([(b1 / b2) ** (t - 1 - i) for i in range(t)], dtype=torch.float64)
+    m = v = 0.0
+    worst = 0.0
+    for x in g.tolist():
+        m, v = b1 * m + (1 - b1) * x, b2 * v + (1 - b2) * x * x
+        worst = max(worst, abs(m) / math.sqrt(v))
+    assert 0.95 * r < worst <= r * (1 + 1e-12)  # reached, to fp64 rounding
+    for seq in (torch.randn(500, dtype=torch.float64), torch.ones(500, dtype=torch.float64)):
+        m = v = 0.0
+        for x in seq.tolist():
+            m, v = b1 * m + (1 - b1) * x, b2 * v + (1 - b2) * x * x
+            assert abs(m) <= r * math.sqrt(v) * (1 + 1e-12)
+
+
+def test_int8_refuses_betas_without_the_bound():
+    state = _int8_state(mo.QBLOCK, seed=0)
+    with pytest.raises(ValueError, match=r"beta1\*\*2 < beta2"):
+        ca.adam_update(state[0], torch.zeros(mo.QBLOCK), state[1], state[2], step=1, lr=1e-3,
+                       beta1=0.99, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                       scales=(state[3], state[4]))
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
+    """Each step from the stored (decoded) moments: the new param equals fp64 Adam on the
+    same inputs to fp32 rounding, and the stored moments are fp64's within the code's bound."""
+    n, lr, wd = 3 * mo.QBLOCK + 5, 1e-3, 0.01
+    b1, b2, eps = HP["beta1"], HP["beta2"], HP["eps"]
+    gen = torch.Generator().manual_seed(9)
+    p = torch.randn(n, generator=gen)
+    if state_dtype == "int8":
+        st = list(_encode(torch.zeros(n), torch.zeros(n)))
+        decode = lambda: mo.decode_moments(*st)  # noqa: E731
+        kw = lambda: dict(scales=(st[2], st[3]))  # noqa: E731
+    else:
+        st = [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+        decode = lambda: (st[0].float(), st[1].float())  # noqa: E731
+        kw = lambda: {}  # noqa: E731
+    for step in range(1, 101):
+        g = torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-3, 0, generator=gen)
+        m0, v0 = (t.double() for t in decode())
+        p0 = p.double()
+        ca.adam_update(p, g, st[0], st[1], step=step, lr=lr, weight_decay=wd, **HP, **kw())
+        gd = g.double()
+        m1 = b1 * m0 + (1 - b1) * gd
+        v1 = b2 * v0 + (1 - b2) * gd * gd
+        u1 = (m1 / (1 - b1**step)) / ((v1 / (1 - b2**step)).sqrt() + eps)
+        p1 = p0 * (1 - lr * wd) - lr * u1
+        # fp32 arithmetic: a few ulps of the update (|u| <= R) and of p
+        assert ((p.double() - p1).abs() <= 8 * ULP * (lr * u1.abs() + p1.abs()) + 1e-12).all()
+        dm, dv = (t.double() for t in decode())
+        if state_dtype == "bf16":
+            assert ((dm - m1).abs() <= 2.0**-8 * m1.abs()).all()
+            assert ((dv - v1).abs() <= 2.0**-8 * v1.abs()).all()
+        else:
+            sm = _per_element(st[2], n).double()
+            su = _per_element(st[3], n).double()
+            assert ((dm - m1).abs() <= torch.maximum(2.0**-4 * m1.abs(), 1.0625 * 2.0**-15 * sm)
+                    * (1 + 1e-5)).all()
+            u, du = v1.sqrt(), dv.sqrt()
+            assert ((du - u).abs() <= torch.maximum(2.0**-5 * u, 1.03125 * 2.0**-15 * su)
+                    * (1 + 1e-5)).all()
