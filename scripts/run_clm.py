@@ -22,6 +22,7 @@ from hf_zoffload.integrations import defaults  # noqa: E402
 from hf_zoffload.integrations.trainer import (  # noqa: E402
     ZeroOffloadTrainer,
     ZeroOffloadTrainingArguments,
+    check_argv,
 )
 
 logger = logging.getLogger("run_clm")
@@ -53,7 +54,8 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={
         "help": "Training data: a local .txt, .json/.jsonl (text column) or .csv file."})
     validation_file: str | None = field(default=None, metadata={
-        "help": "Evaluation data, same formats. Unset: a split of the training data."})
+        "help": "Evaluation data, same formats. Unset: a split of the training data. Alone "
+                "(no --train_file) it is enough for an evaluation-only run (--do_eval)."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     block_size: int | None = field(default=None, metadata={
         "help": "Tokens per training example. Default: 64 for the built-in model, else the "
@@ -69,13 +71,14 @@ class DataArguments:
         "help": "Size of the built-in standard-library corpus in MB."})
 
 
-def check_sources(margs: ModelArguments, data: DataArguments) -> None:
+def check_sources(margs: ModelArguments, data: DataArguments, *, do_train: bool = True) -> None:
     """Options that would be ignored next to another one raise, before any work."""
     clashes = [
         (data.dataset_name and (data.train_file or data.validation_file),
          "--dataset_name with --train_file/--validation_file: give one data source"),
-        (data.validation_file and not (data.train_file or data.dataset_name),
-         "--validation_file needs --train_file"),
+        (do_train and data.validation_file and not data.train_file,
+         "--do_train with --validation_file needs --train_file (an evaluation-only run, "
+         "--do_eval without --do_train, needs only --validation_file)"),
         (margs.model_name_or_path and (margs.config_name or margs.model_type
                                        or margs.config_overrides),
          "--model_name_or_path with --config_name/--model_type/--config_overrides: a "
@@ -94,24 +97,29 @@ def load_texts(data: DataArguments):
 
     if data.dataset_name:
         raw = load_dataset(data.dataset_name, data.dataset_config_name)
-    elif data.train_file:
-        files = {"train": data.train_file}
+    elif data.train_file or data.validation_file:
+        files = {"train": data.train_file} if data.train_file else {}
         if data.validation_file:
             files["validation"] = data.validation_file
-        ext = data.train_file.rsplit(".", 1)[-1]
+        ext = (data.train_file or data.validation_file).rsplit(".", 1)[-1]
         kind = {"txt": "text", "jsonl": "json"}.get(ext, ext)
         raw = load_dataset(kind, data_files=files, keep_linebreaks=True) if kind == "text" \
             else load_dataset(kind, data_files=files)
     else:
         raw = DatasetDict(train=Dataset.from_dict(
             {data.text_column: defaults.stdlib_corpus(max_mb=data.corpus_mb)}))
-    if "validation" not in raw:
+    if "train" not in raw:  # evaluation only (check_sources allowed it)
+        names = ("validation",)
+    elif "validation" not in raw:
         pct = data.validation_split_percentage
         if not 0 < pct < 100:
             raise ValueError(f"--validation_split_percentage must be in 1..99, got {pct}")
         split = raw["train"].train_test_split(test_size=pct / 100, shuffle=False)
         raw = DatasetDict(train=split["train"], validation=split["test"])
-    for name in ("train", "validation"):
+        names = ("train", "validation")
+    else:
+        names = ("train", "validation")
+    for name in names:
         if data.text_column not in raw[name].column_names:
             raise ValueError(f"{name} data has no {data.text_column!r} column (columns: "
                              f"{raw[name].column_names}); set --text_column")
@@ -168,8 +176,8 @@ def tokenize_blocks(raw, tokenizer, *, column: str, block_size: int, args):
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     with args.main_process_first(desc="tokenizing"):
-        ids = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names,
-                      desc="tokenizing")
+        columns = next(iter(raw.values())).column_names
+        ids = raw.map(tokenize, batched=True, remove_columns=columns, desc="tokenizing")
         return ids.map(group, batched=True, batch_size=1000, desc=f"blocks of {block_size}")
 
 
@@ -179,13 +187,14 @@ def main(argv=None) -> dict:
     parser = HfArgumentParser((ModelArguments, DataArguments, ZeroOffloadTrainingArguments),
                               description=__doc__.split("\n\n")[0].replace("\n", " "))
     argv = sys.argv[1:] if argv is None else argv
+    check_argv(argv)  # an unknown --zero_offload_<name>: one line naming the closest
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         load = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         margs, data, args = load(os.path.abspath(argv[0]))
     else:
         margs, data, args = parser.parse_args_into_dataclasses(args=argv)
 
-    check_sources(margs, data)
+    check_sources(margs, data, do_train=args.do_train)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stdout)
     level = logging.INFO if args.should_log else logging.WARNING
@@ -200,8 +209,8 @@ def main(argv=None) -> dict:
     else:
         logger.info("training a byte-level BPE tokenizer (%d entries) on the training text",
                     margs.vocab_size)
-        tokenizer = defaults.train_tokenizer(raw["train"][data.text_column],
-                                             vocab_size=margs.vocab_size)
+        texts = raw["train" if "train" in raw else "validation"][data.text_column]
+        tokenizer = defaults.train_tokenizer(texts, vocab_size=margs.vocab_size)
     scratch = not (margs.model_name_or_path or margs.config_name or margs.model_type)
     block_size = data.block_size or (64 if scratch else min(tokenizer.model_max_length, 1024))
     model = build_model(margs, tokenizer, block_size)
@@ -212,13 +221,13 @@ def main(argv=None) -> dict:
 
     blocks = tokenize_blocks(raw, tokenizer, column=data.text_column, block_size=block_size,
                              args=args)
-    train, valid = blocks["train"], blocks["validation"]
-    if data.max_train_samples is not None:
+    train, valid = blocks.get("train"), blocks["validation"]
+    if train is not None and data.max_train_samples is not None:
         train = train.select(range(min(len(train), data.max_train_samples)))
     if data.max_eval_samples is not None:
         valid = valid.select(range(min(len(valid), data.max_eval_samples)))
     logger.info("%d training and %d evaluation blocks of %d tokens; %.2f M parameters",
-                len(train), len(valid), block_size, model.num_parameters() / 1e6)
+                len(train or ()), len(valid), block_size, model.num_parameters() / 1e6)
 
     trainer = ZeroOffloadTrainer(
         model=model, args=args, train_dataset=train if args.do_train else None,

@@ -3,10 +3,12 @@
 
 With ``--zero_offload`` the loop is the same; only the two lines marked ``# ZeRO-Offload``
 differ from the plain loop (an import, and ``prepare_zero_offload`` in place of
-``accelerator.prepare``). The settings come from HF_ZOFFLOAD_* / the sidecar yaml, e.g.
-through ``hf-zoffload launch``:
+``accelerator.prepare``). The compute dtype follows accelerate's mixed_precision (fp32 for
+"no"); the other settings come from HF_ZOFFLOAD_* / the sidecar yaml, e.g. through
+``hf-zoffload launch``:
 
-    HF_ZOFFLOAD_COMPUTE_DTYPE=fp32 python scripts/train_accelerate.py --zero_offload
+    python scripts/train_accelerate.py --zero_offload
+    HF_ZOFFLOAD_BUCKET_SIZE_MB=1 python scripts/train_accelerate.py --zero_offload
     hf-zoffload launch --config_file cfg.yaml scripts/train_accelerate.py --zero_offload
 
 Prints one json line: the loss of every micro-batch and the gradient norm of every step.

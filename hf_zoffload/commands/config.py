@@ -49,8 +49,8 @@ def add_parser(subparsers):
                    help="ask nothing: write accelerate's basic config (as `accelerate config "
                         "default`) and the offload defaults. Existing files are kept.")
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                   help="with --default: accelerate's mixed_precision; the offload compute dtype "
-                        "follows it when it is fp16 or bf16.")
+                   help="with --default: accelerate's mixed_precision (default: no); the offload "
+                        "compute dtype follows it (no: fp32).")
     p.set_defaults(func=run)
     return p
 
@@ -67,23 +67,23 @@ def run(args) -> int:
     from accelerate.commands.config.config import get_user_input
 
     acc = get_user_input()
-    enabled, plugin = ask_offload(mixed_precision=str(getattr(acc, "mixed_precision", "no")))
+    enabled, plugin, chosen = ask_offload(
+        mixed_precision=str(getattr(acc, "mixed_precision", "no")))
     # Same writer as `accelerate config`: json when the name says so, else yaml.
     if path.endswith(".json"):
         acc.to_json_file(path)
     else:
         acc.to_yaml_file(path)
     print(f"accelerate configuration saved at {path}")
-    plugin.save_yaml(sidecar, enabled=enabled)
+    plugin.save_yaml(sidecar, enabled=enabled, names=chosen)
     print(f"ZeRO-Offload configuration saved at {sidecar}")
     return 0
 
 
-def _dtype_for(mixed_precision: str) -> str:
-    # Follow accelerate's answer so the two never disagree (prepare_zero_offload rejects a
-    # compute dtype that contradicts accelerate's fp16/bf16); "no" keeps the plugin default.
+def _accelerate_dtype(mixed_precision: str) -> str | None:
+    """accelerate's mixed_precision as a compute dtype when it is fp16 or bf16, else None."""
     mp = mixed_precision.lower().rsplit(".", 1)[-1]
-    return mp if mp in ("fp16", "bf16") else ZeroOffloadPlugin().compute_dtype
+    return mp if mp in ("fp16", "bf16") else None
 
 
 def _write_defaults(path: str, sidecar: str, *, mixed_precision: str) -> int:
@@ -95,7 +95,9 @@ def _write_defaults(path: str, sidecar: str, *, mixed_precision: str) -> int:
         print(f"ZeRO-Offload configuration already exists at {sidecar}, will not override. "
               "Run `hf-zoffload config` to change it.")
     else:
-        ZeroOffloadPlugin(compute_dtype=_dtype_for(mixed_precision)).save_yaml(sidecar)
+        # Only the switch: every setting keeps its default and the compute dtype follows
+        # accelerate's mixed_precision at run time (a written default would pin it).
+        ZeroOffloadPlugin().save_yaml(sidecar, names=[])
         print(f"ZeRO-Offload configuration saved at {sidecar}")
     return 0
 
@@ -109,13 +111,16 @@ def _shown(default) -> str:
 
 class _Asker:
     """Asks one plugin setting at a time; every answer is checked by building a
-    ZeroOffloadPlugin with the answers so far, so the wizard has no rules of its own."""
+    ZeroOffloadPlugin with the answers so far, so the wizard has no rules of its own.
+    ``chosen``: the settings answered with something else than the default shown, the only
+    ones the sidecar gets."""
 
     def __init__(self):
         from accelerate.commands.config.config_utils import _ask_field
 
         self._ask_field = _ask_field
         self.answers: dict = {}
+        self.chosen: list[str] = []
 
     def __call__(self, name: str, question: str, default=None):
         default = getattr(ZeroOffloadPlugin(**self.answers), name) if default is None else default
@@ -134,6 +139,8 @@ class _Asker:
         # `convert` raises; error_message=None because `convert` printed the reason.
         self.answers[name] = self._ask_field(f"{question} [{_shown(default)}]: ", convert,
                                              default=default)
+        if self.answers[name] != default:
+            self.chosen.append(name)
         return self.answers[name]
 
 
@@ -145,18 +152,27 @@ def _yes(raw: str) -> bool:
     return value.startswith("y")
 
 
-def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin]:
-    """The offload questions; returns (enabled, plugin)."""
+def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin, list[str]]:
+    """The offload questions; returns (enabled, plugin, the settings the user chose)."""
     from accelerate.commands.config.config_utils import _ask_field
 
     enabled = _ask_field(
         "Do you want to use ZeRO-Offload (fp32 master weights and Adam states in host memory, "
         "updated by the CPU)? [YES/no]: ", _yes, default=True)
     if not enabled:
-        return False, ZeroOffloadPlugin(compute_dtype=_dtype_for(mixed_precision))
+        return False, ZeroOffloadPlugin(), []
     ask = _Asker()
-    ask("compute_dtype", "Which dtype should the parameters have on the device during "
-        "forward/backward (bf16/fp16/fp32)?", default=_dtype_for(mixed_precision))
+    follows = _accelerate_dtype(mixed_precision)
+    if follows:
+        # prepare_zero_offload refuses a compute dtype that contradicts accelerate's
+        # fp16/bf16: nothing to choose, and nothing written (it follows at run time).
+        print(f"The parameters compute in {follows} on the device, as accelerate's "
+              "mixed_precision says.")
+        ask.answers["compute_dtype"] = follows
+    else:
+        ask("compute_dtype", "accelerate's mixed_precision is 'no'; which dtype should the "
+            "parameters have on the device during forward/backward (fp32/bf16/fp16)?",
+            default="fp32")
     ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied to the "
         "host one bucket at a time)?")
     ask("pin_memory", "Use pinned (page-locked) host buffers for the copies (CUDA only)?")
@@ -165,6 +181,10 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
     ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
                        "processes per node)?")
+    ask("state_dtype", "In which dtype should the host keep the Adam moments (fp32/bf16/int8)?")
+    ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "
+                      "model's: the fp32 master weights or the compute-dtype copy "
+                      "(fp32/compute)?")
     if ask.answers["compute_dtype"] == "fp16" and _ask_field(
         "Do you want to customize the fp16 dynamic loss scaler? [yes/NO]: ", _yes, default=False
     ):
@@ -174,4 +194,4 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         ask("growth_interval", "Clean steps before the loss scale grows?")
         ask("hysteresis", "Overflowing steps before the loss scale backs off (hysteresis)?")
         ask("min_scale", "Smallest loss scale?")
-    return True, ZeroOffloadPlugin(**ask.answers)
+    return True, ZeroOffloadPlugin(**ask.answers), ask.chosen

@@ -11,6 +11,8 @@ import os
 import platform
 import sys
 
+from hf_zoffload.commands.launch import SIDECAR_HELP, find_sidecar
+
 description = "Print versions, CPU SIMD features, kernel build facts and the effective config."
 
 # cpuinfo flag -> name shown; the four the CPU-Adam kernel's SIMD paths care about.
@@ -20,8 +22,9 @@ SIMD_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "f16c": "F16C", "avx512_bf1
 def add_parser(subparsers):
     p = subparsers.add_parser("env", help=description, description=description)
     p.add_argument("--config_file", default=None,
-                   help="accelerate's config; its sidecar yaml is shown in the effective config "
-                        "(default: HF_ZOFFLOAD_CONFIG).")
+                   help="accelerate's config, found as `hf-zoffload launch` finds it (default: "
+                        "accelerate's default config file).")
+    p.add_argument("--zoffload_config", default=None, help=SIDECAR_HELP)
     p.set_defaults(func=run)
     return p
 
@@ -108,22 +111,30 @@ def _kernel() -> str:
     return text
 
 
-def _offload_config(config_file: str | None) -> str:
-    from hf_zoffload.commands.config import sidecar_path
-    from hf_zoffload.config import CONFIG_ENV, ZeroOffloadPlugin
+def _offload_config(config_file: str | None, zoffload_config: str | None) -> str:
+    from hf_zoffload.config import CONFIG_ENV, ZeroOffloadPlugin, sourced_values
     from hf_zoffload.integrations.accelerate import zero_offload_enabled
 
+    # The sidecar `hf-zoffload launch` would use with the same options, so the two agree.
     env = dict(os.environ)
-    if config_file:
-        env[CONFIG_ENV] = sidecar_path(config_file)
-    source = env.get(CONFIG_ENV, "no sidecar yaml (HF_ZOFFLOAD_CONFIG unset)")
+    sidecar = find_sidecar(zoffload_config=zoffload_config, config_file=config_file,
+                           environ=env)
+    if sidecar:
+        env[CONFIG_ENV] = sidecar
+    source = sidecar or "no sidecar yaml (none named, none beside accelerate's config)"
     plugin = ZeroOffloadPlugin.from_sources(environ=env)
+    chosen = set(sourced_values(environ=env)[0])
     lines = [f"{source}; enabled: {zero_offload_enabled(environ=env)}"]
-    lines += [f"    {k}: {v}" for k, v in plugin.to_dict().items()]
+    for k, v in plugin.to_dict().items():
+        if k == "compute_dtype" and k not in chosen:
+            v = (f"not set: the Trainer follows --fp16/--bf16, prepare_zero_offload accelerate's "
+                 f"mixed_precision (fp32 for neither); a plain ZeroOffloadOptimizer uses {v}")
+        lines.append(f"    {k}: {v}" + ("" if k in chosen or k == "compute_dtype"
+                                         else " (default)"))
     return "\n".join(lines)
 
 
-def report(*, config_file: str | None = None) -> str:
+def report(*, config_file: str | None = None, zoffload_config: str | None = None) -> str:
     import hf_zoffload
 
     rows = [
@@ -137,12 +148,12 @@ def report(*, config_file: str | None = None) -> str:
         ("CPU", lambda: f"{cpu_name()} ({os.cpu_count()} logical cores)"),
         ("CPU SIMD", _simd),
         ("CPU-Adam kernel", _kernel),
-        ("ZeRO-Offload config", lambda: _offload_config(config_file)),
+        ("ZeRO-Offload config", lambda: _offload_config(config_file, zoffload_config)),
     ]
     return "\n".join(f"- {name}: {_guard(fn)}" for name, fn in rows)
 
 
 def run(args) -> int:
     print("Copy-and-paste the text below in your GitHub issue\n")
-    print(report(config_file=args.config_file))
+    print(report(config_file=args.config_file, zoffload_config=args.zoffload_config))
     return 0

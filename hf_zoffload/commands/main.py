@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hf_zoffload import __version__
 from hf_zoffload.commands import config, env, estimate, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         "hf-zoffload", description="ZeRO-Offload for the Hugging Face stack.")
+    parser.add_argument("--version", action="version", version=f"hf-zoffload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{config,launch,env,estimate}")
     for module in (config, launch, env, estimate):

@@ -16,7 +16,11 @@ The loop itself is unchanged::
 
 The AdamW is replaced by a `ZeroOffloadOptimizer` with the same param groups and
 hyper-parameters (after the model is on the device, as the engine casts it in place), and the
-schedulers passed along are re-pointed at it. A `ZeroOffloadOptimizer` built by hand is taken
+schedulers passed along are re-pointed at it. Precision: the compute dtype is accelerate's
+mixed_precision (fp32 for "no") unless ``compute_dtype`` is set (argument, HF_ZOFFLOAD_*,
+sidecar); the engine casts the trained params to it in place and keeps their fp32 masters on
+the host. Saving (``save_model``, ``save_state``, ``get_state_dict``) gives the fp32 masters
+(``save_dtype``, `core.saved_state_dict`). A `ZeroOffloadOptimizer` built by hand is taken
 as is. The wiring shared with `ZeroOffloadTrainer` (accelerate's optimizer wrapper, the
 clip route and fp16 loss scaler on this accelerator, the frozen-param cast, the flush before
 saving) is `hf_zoffload.integrations.core`. Settings: arguments > HF_ZOFFLOAD_* > the sidecar
@@ -63,11 +67,12 @@ def _check_accelerator(accelerator) -> None:
 
 def _plugin(accelerator, settings: dict) -> ZeroOffloadPlugin:
     mp = str(accelerator.mixed_precision)
-    # Unset everywhere, the compute dtype follows accelerate's fp16/bf16, so that
-    # `accelerate config` alone is enough; set anywhere, it must agree (checked below).
-    if mp in ("fp16", "bf16") and "compute_dtype" not in settings \
-            and "compute_dtype" not in sourced_values()[0]:
-        settings = {**settings, "compute_dtype": mp}
+    # Unset everywhere, the compute dtype follows accelerate's mixed precision, as the stock
+    # `accelerator.prepare` would train: fp16/bf16, or fp32 for "no" (not the plugin's bf16
+    # default, which would turn an fp32 loop into a pure bf16 one without a word). Set
+    # anywhere, it must agree with accelerate's fp16/bf16 (checked below).
+    if "compute_dtype" not in settings and "compute_dtype" not in sourced_values()[0]:
+        settings = {**settings, "compute_dtype": mp if mp in ("fp16", "bf16") else "fp32"}
     return ZeroOffloadPlugin.from_sources(**settings)
 
 
@@ -184,6 +189,7 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
                             "torch.optim.AdamW, torch.optim.Adam, ZeroOffloadOptimizer")
         plugin = plugin or _plugin(accelerator, settings)
         _check_dtype(accelerator, plugin)
+        plugin.check_device(torch.device(accelerator.device).type)
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
                 if not accelerator.verify_device_map(m):

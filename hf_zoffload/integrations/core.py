@@ -16,17 +16,27 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
   engine casts only the params it trains; a frozen fp32 weight next to them would make the
   matmuls mix dtypes), and reading their weights (``state_dict``) first lands a pending delayed
   update. Models holding none of the engine's params (e.g. a teacher) are left alone.
+- Saved weights (`saved_state_dict`): with ``save_dtype=fp32`` (the default) the model's
+  weights are saved as the fp32 master weights, as a stock mixed-precision run saves its fp32
+  params; the device copy is in the compute dtype and would lose what the masters hold. With
+  N ranks the masters are sharded: they are gathered onto each saving rank. The Trainer saves
+  through it, and `install` routes ``accelerator.get_state_dict`` (``save_model``,
+  ``save_state``) to it. ``save_pretrained`` of a trained model writes ``dtype: float32``
+  into its config when given such a dict, so ``from_pretrained`` loads what was saved.
 """
 
 from __future__ import annotations
 
+import types
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from transformers import PreTrainedModel
 
-__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "engine_params", "trains",
-           "prepare_models", "install", "attached_engine"]
+__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "MasterWeights", "engine_params",
+           "trains", "prepare_models", "saved_state_dict", "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
 # the copy times exist on CUDA only and are logged only where they were reported.
@@ -108,7 +118,68 @@ def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.M
         # reads the model's weights (save_state, save_pretrained, get_state_dict, the
         # Trainer's checkpoints) lands them first. state_dict covers every save path.
         model.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
+        if isinstance(model, PreTrainedModel) and "save_pretrained" not in vars(model):
+            # Bound to this instance (a deepcopy rebinds it to the copy); the class is untouched.
+            model.save_pretrained = types.MethodType(_save_pretrained, model)
     return trained
+
+
+# --------------------------------------------------------------------------- saving
+class MasterWeights(OrderedDict):
+    """A model state dict whose trained params are the fp32 master weights. An OrderedDict,
+    so accelerate's safetensors path drops tied duplicates as it does for ``state_dict()``."""
+
+    def __reduce__(self):
+        # Pickled (save_state with safe_serialization=False) as a plain OrderedDict, so that
+        # torch.load(weights_only=True) reads it without this class.
+        return OrderedDict, (list(self.items()),)
+
+
+def saved_state_dict(engine, model: torch.nn.Module, *, saves_here: bool):
+    """The weights to save for ``model`` (the unwrapped model the engine trains), or None.
+
+    ``save_dtype=compute``: None (the caller saves ``model.state_dict()`` as usual). ``fp32``:
+    a `MasterWeights` on each rank where ``saves_here``, None elsewhere; with N ranks a
+    collective every rank enters (the masters are sharded)."""
+    if engine.plugin.save_dtype != "fp32":
+        return None
+    ex = engine.exchange
+    targets = [0]
+    if ex.world > 1:
+        # The saving ranks: rank 0, or each node's first with save_on_each_node.
+        flags = [None] * ex.world
+        torch.distributed.all_gather_object(flags, bool(saves_here))
+        targets = [r for r, f in enumerate(flags) if f]
+    out = None
+    for rank in targets:
+        sd = engine.master_state_dict(model, to=rank)
+        if rank == ex.rank:
+            out = sd
+    if out is None:
+        return None
+    # Tied params (GPT-2's lm_head and wte) share one tensor again, so that savers drop the
+    # duplicate as they do for model.state_dict().
+    first, shared = {}, MasterWeights()
+    for name, t in model.state_dict(keep_vars=True).items():
+        shared[name] = shared[first[id(t)]] if id(t) in first else out[name]
+        first.setdefault(id(t), name)
+    return shared
+
+
+def _save_pretrained(model, save_directory, *args, state_dict=None, **kwargs):
+    """``save_pretrained`` of a model the engine trains. transformers writes the params' dtype
+    into the config (``dtype``), which ``from_pretrained`` loads in; given the fp32 master
+    weights the config must say float32, or the fp32 file would be loaded as 16-bit."""
+    out = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict,
+                                      **kwargs)
+    if isinstance(state_dict, MasterWeights) and kwargs.get("is_main_process", True):
+        written = model.config.dtype
+        model.config.dtype = "float32"
+        try:
+            model.config.save_pretrained(save_directory)
+        finally:
+            model.config.dtype = written
+    return out
 
 
 # --------------------------------------------------------------------------- accelerator
@@ -171,14 +242,36 @@ def install(accelerator, engine, *, replace: bool = False) -> None:
     as ``scaler.pt`` (``unscale_gradients`` is then a no-op: the engine unscales). Clipping:
     ``clip_grad_norm_`` and ``clip_grad_value_`` become a `ClipRoute`'s."""
     if attached_engine(accelerator) is None:
-        own = (accelerator.clip_grad_norm_, accelerator.clip_grad_value_, accelerator.scaler)
+        own = (accelerator.clip_grad_norm_, accelerator.clip_grad_value_, accelerator.scaler,
+               accelerator.get_state_dict)
         setattr(accelerator, _OWN_ATTR, own)
     elif not replace:
         raise ValueError("this Accelerator already has a ZeRO-Offload optimizer; one per "
                          "Accelerator is supported")
-    clip_norm, clip_value, scaler = getattr(accelerator, _OWN_ATTR)
+    clip_norm, clip_value, scaler, get_state_dict = getattr(accelerator, _OWN_ATTR)
     setattr(accelerator, _ENGINE_ATTR, engine)
     accelerator.scaler = engine.loss_scaler if engine.loss_scaler.is_enabled() else scaler
     route = ClipRoute(engine, clip_norm, clip_value)
     accelerator.clip_grad_norm_ = route.clip_grad_norm_
     accelerator.clip_grad_value_ = route.clip_grad_value_
+    accelerator.get_state_dict = _MasterStateDict(accelerator, engine, get_state_dict)
+
+
+class _MasterStateDict:
+    """``accelerator.get_state_dict`` once an engine is installed: for a model the engine
+    trains, with ``save_dtype=fp32``, the fp32 master weights on the saving rank(s) and None
+    on the others (accelerate's ``save_model`` then writes nothing there, and ``save_state``
+    writes only on the saving ranks anyway); every rank must call it, as it must for
+    ``save_model`` and ``save_state``. Other models and ``save_dtype=compute``: accelerate's."""
+
+    def __init__(self, accelerator, engine, own):
+        self.accelerator, self.engine, self.own = accelerator, engine, own
+
+    def __call__(self, model, unwrap=True):
+        acc = self.accelerator
+        inner = acc.unwrap_model(model)
+        if self.engine.plugin.save_dtype != "fp32" or not trains(inner, self.engine):
+            return self.own(model, unwrap=unwrap)
+        each_node = acc.project_configuration.save_on_each_node
+        saves = acc.is_main_process or (each_node and acc.is_local_main_process)
+        return saved_state_dict(self.engine, inner, saves_here=saves)

@@ -1,9 +1,9 @@
 """ZeRO-Offload for `transformers.Trainer` users: one argument, ``zero_offload=True``.
 
-`ZeroOffloadTrainingArguments` adds ``--zero_offload`` and one ``--zero_offload_<knob>`` per
-`ZeroOffloadPlugin` setting; `ZeroOffloadTrainer` builds the offload engine in place of the
-Trainer's AdamW. With ``zero_offload`` off the Trainer is the stock one: every override below
-hands straight to `Trainer`.
+`ZeroOffloadTrainingArguments` (arguments.py) adds ``--zero_offload`` and one
+``--zero_offload_<knob>`` per `ZeroOffloadPlugin` setting; `ZeroOffloadTrainer` builds the
+offload engine in place of the Trainer's AdamW. With ``zero_offload`` off the Trainer is the
+stock one: every override below hands straight to `Trainer`.
 
 How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.x); the
 wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.core`:
@@ -16,7 +16,14 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 - Frozen params: float params without ``requires_grad`` are cast to the compute dtype too
   (`core.prepare_models`), or a partly frozen (LoRA-style) model would mix dtypes in its matmuls.
 - Loss scale: the engine's `DynamicLossScaler` becomes ``accelerator.scaler`` (fp16 only), so
-  ``accelerator.backward`` scales the loss and the Trainer saves / loads it as ``scaler.pt``.
+  ``accelerator.backward`` scales the loss. Its state is saved inside ``optimizer.pt`` (the
+  engine's ``state_dict``), not as ``scaler.pt``: the stock Trainer loads a ``scaler.pt`` into
+  its own scaler, which a bf16 or fp32 run does not have (AttributeError on resume). So a
+  checkpoint resumes across precisions and in the stock Trainer; a stock fp16 checkpoint's
+  ``scaler.pt`` (torch GradScaler's format) is read into the engine's scaler.
+- Saved weights: the fp32 master weights, gathered across ranks, with ``dtype: float32`` in
+  the config (``save_dtype=fp32``, the default; ``compute`` saves the device copy), as the
+  stock Trainer saves fp32 weights under ``--fp16``/``--bf16`` (`core.saved_state_dict`).
 - Precision: accelerate's autocast is turned off for offload runs (`_build_accelerator_args`):
   the engine already holds the params in the compute dtype; autocast over them would recast
   per op, differ from what the engine computes, and for fp16 on a CPU accelerate refuses to
@@ -31,139 +38,31 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import inspect
+import json
 import logging
-import math
 import os
 import warnings
-from dataclasses import field, make_dataclass
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-from ..config import ZeroOffloadPlugin, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
 from . import core
+from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS"]
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS",
+           "check_argv"]
 
-# The engine is AdamW (decoupled weight decay) with torch's hyperparameters and state keys;
-# these are the Trainer optimizers with exactly that update rule.
-ALLOWED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 _MULTI_DEVICE = "torch.nn.DataParallel is not supported"
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-
-# --------------------------------------------------------------------------- arguments
-def _argument_fields() -> list[tuple]:
-    out = [("zero_offload", bool | None, field(default=None, metadata={
-        "help": "Keep fp32 master weights and Adam state in host memory and run AdamW there "
-                "(ZeRO-Offload); the device keeps the compute-dtype params only. Unset: "
-                "HF_ZOFFLOAD_ENABLED, else the zoffload yaml's zero_offload (as `hf-zoffload "
-                "launch` passes them), else off.",
-        "nargs": "?", "const": True}))]
-    for f in dataclasses.fields(ZeroOffloadPlugin):
-        kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
-        meta = {"help": "ZeRO-Offload: " + ZeroOffloadPlugin.help(f.name)
-                + " Unset: HF_ZOFFLOAD_" + f.name.upper() + ", the zoffload yaml, the default."}
-        if f.name == "compute_dtype":
-            meta["help"] += " With the Trainer, --fp16 / --bf16 choose it (neither: fp32)."
-        if f.name == "max_grad_norm":
-            meta["help"] += " With the Trainer, --max_grad_norm sets it."
-        if f.metadata["choices"]:
-            meta["choices"] = list(f.metadata["choices"])
-        if kind is bool:  # `--zero_offload_pin_memory` alone means true, as for --fp16
-            meta.update(nargs="?", const=True)
-        out.append((f"zero_offload_{f.name}", kind | None, field(default=None, metadata=meta)))
-    return out
-
-
-def _check_args(self) -> None:
-    """Conflicts visible in the arguments alone; run before TrainingArguments' own checks,
-    whose messages would not name ZeRO-Offload (e.g. --deepspeed tries to import it)."""
-    if self.deepspeed:
-        raise ValueError("--zero_offload and --deepspeed cannot be combined: both own the "
-                         "optimizer state. Drop --deepspeed, or drop --zero_offload and use "
-                         "DeepSpeed's own offload_optimizer")
-    if self.fsdp:
-        raise ValueError(f"--zero_offload and --fsdp {self.fsdp!r} cannot be combined: FSDP "
-                         "shards the parameters the engine keeps whole. Drop one of them")
-    optim = getattr(self.optim, "value", self.optim)
-    if optim not in ALLOWED_OPTIMS:
-        raise ValueError(f"--zero_offload runs AdamW on the host, so --optim {optim!r} cannot "
-                         f"be used with it; allowed: {', '.join(ALLOWED_OPTIMS)}")
-
-
-def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
-    """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
-    defaults, with the compute dtype and the clip norm taken from the Trainer's own options."""
-    given = {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
-             if getattr(self, f"zero_offload_{n}") is not None}
-    sourced, where = sourced_values()
-
-    flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
-    if "compute_dtype" in given:
-        dtype, origin = given["compute_dtype"], "--zero_offload_compute_dtype"
-    else:
-        dtype, origin = sourced.get("compute_dtype"), f"compute_dtype in {where}"
-    dtype = None if dtype is None else str(dtype).strip().lower()
-    if flag and dtype is not None and dtype != flag:
-        raise ValueError(f"--{flag} conflicts with {origin} = {dtype!r}: the compute dtype is "
-                         f"set once; drop one of them")
-    # No flag and nothing explicit: fp32, as the stock Trainer without --fp16/--bf16 (the
-    # plugin's own default, bf16, is for callers that ask for nothing).
-    given["compute_dtype"] = flag or dtype or "fp32"
-
-    if "max_grad_norm" in given and float(given["max_grad_norm"]) != float(self.max_grad_norm):
-        raise ValueError(f"--zero_offload_max_grad_norm {given['max_grad_norm']} conflicts with "
-                         f"--max_grad_norm {self.max_grad_norm}: the Trainer clips through "
-                         "--max_grad_norm; set that one")
-    if "max_grad_norm" in sourced and not math.isclose(float(sourced["max_grad_norm"]),
-                                                       float(self.max_grad_norm)):
-        logger.warning("max_grad_norm %s from %s is replaced by the Trainer's --max_grad_norm %s",
-                       sourced["max_grad_norm"], where, self.max_grad_norm)
-    given["max_grad_norm"] = self.max_grad_norm
-    return ZeroOffloadPlugin.from_sources(**given)
-
-
-def _post_init(self) -> None:
-    # Checked with or without offload: TrainingArguments rejects the pair too, but on a
-    # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
-    if self.fp16 and self.bf16:
-        raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
-                         "becomes the compute dtype), or neither for fp32")
-    if self.zero_offload is None:
-        self.zero_offload = enabled_from_sources(default=False)
-    if self.zero_offload:
-        _check_args(self)
-    TrainingArguments.__post_init__(self)
-    if self.zero_offload:
-        self.zero_offload_plugin()  # bad values fail here, before any model work
-
-
-# Generated from the plugin's fields so that a new knob is a new argument with no edit here;
-# module-level so that training_args.bin (a pickle) loads wherever hf_zoffload is installed.
-ZeroOffloadTrainingArguments = make_dataclass(
-    "ZeroOffloadTrainingArguments",
-    _argument_fields(),
-    bases=(TrainingArguments,),
-    namespace={
-        "__post_init__": _post_init,
-        "zero_offload_plugin": _zero_offload_plugin,
-        "__doc__": "TrainingArguments plus `zero_offload` and one `zero_offload_<knob>` per "
-                   "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "
-                   "default). --fp16 / --bf16 choose the compute dtype, --max_grad_norm the "
-                   "clip norm.",
-    },
-)
-ZeroOffloadTrainingArguments.__module__ = __name__  # make_dataclass(module=) is 3.12+
 
 
 # --------------------------------------------------------------------------- callbacks
@@ -266,6 +165,72 @@ class ZeroOffloadTrainer(Trainer):
             self.optimizer = core.OffloadedOptimizer(engine)
         return self.optimizer
 
+    # A checkpoint is whole once this file is there: written last, atomically, with every
+    # other file's size. get_last_checkpoint (resume_from_checkpoint=True) takes the highest
+    # checkpoint-N whole or not, and the stock load skips a missing optimizer.pt or
+    # rng_state.pth without a word. Sizes, not checksums: a killed process loses no data it
+    # wrote (the page cache outlives it); a machine crash can, and leaves files short or empty.
+    COMPLETE_NAME = "zero_offload_complete.json"
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if not self.zero_offload:
+            return super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        marker = os.path.join(folder, self.COMPLETE_NAME)
+        if self.args.should_save:  # a re-save into this folder starts unmarked
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(marker)
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's rng_state_<rank>.pth is written
+        if self.args.should_save:
+            sizes = {os.path.relpath(os.path.join(d, n), folder): os.path.getsize(
+                os.path.join(d, n)) for d, _, names in os.walk(folder) for n in names
+                if not n.startswith(self.COMPLETE_NAME)}
+            with open(marker + ".tmp", "w") as f:
+                json.dump({"files": sizes}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(marker + ".tmp", marker)
+
+    @classmethod
+    def _why_incomplete(cls, folder: str) -> str | None:
+        """Why ``folder`` is not a whole checkpoint, or None."""
+        try:
+            with open(os.path.join(folder, cls.COMPLETE_NAME)) as f:
+                sizes = json.load(f)["files"]
+        except FileNotFoundError:
+            # Saved without offload, or killed after the Trainer's last file (trainer_state.json)
+            # and before the marker: whole if the files a resume reads are there.
+            names = os.listdir(folder)
+            missing = [n for n in (OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, "rng_state")
+                       if not any(have.startswith(n) for have in names)]
+            return f"no {cls.COMPLETE_NAME} and no {', '.join(missing)}" if missing else None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{cls.COMPLETE_NAME} is unreadable ({e})"
+        for name, size in sizes.items():
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                return f"{name} is missing"
+            if os.path.getsize(path) != size:
+                return f"{name} has {os.path.getsize(path)} bytes, {size} were saved"
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        # Checked before anything is loaded, so a refused checkpoint changes nothing.
+        ckpt = resume_from_checkpoint
+        why = self._why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) else None
+        if why:
+            parent = os.path.dirname(os.path.abspath(ckpt))
+            whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
+                c, ckpt) and self._why_incomplete(c) is None]
+            raise ValueError(
+                f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
+                + (f"The newest complete checkpoint is {whole[0]}: resume from it, or delete "
+                   f"{ckpt} so that resume_from_checkpoint=True picks it" if whole else
+                   f"No complete checkpoint in {parent}: start without resuming"))
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The Trainer calls optimizer.state_dict() on the saving rank only; with N ranks the
         # engine's state_dict is a gather every rank must enter, so all ranks gather here.
@@ -289,6 +254,45 @@ class ZeroOffloadTrainer(Trainer):
             self.lr_scheduler.load_state_dict(
                 torch.load(sched_path, map_location="cpu", weights_only=True))
         reissue_pt_warnings(caught)
+        return None
+
+    # ------------------------------------------------- saved weights and the loss scale
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        engine = self.engine
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        # Every rank gathers (a collective); `_save` runs on the saving rank(s) only.
+        self._master_weights = core.saved_state_dict(engine, self.model,
+                                                     saves_here=self.args.should_save)
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            self._master_weights = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        masters = getattr(self, "_master_weights", None)
+        if state_dict is None and masters is not None:
+            state_dict = masters
+        return super()._save(output_dir, state_dict=state_dict)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self.engine is None:
+            return super()._save_scaler(output_dir)
+        return None  # the loss scaler's state is in optimizer.pt (module docstring)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        engine = self.engine
+        if engine is None or checkpoint is None:
+            return super()._load_scaler(checkpoint)
+        path = os.path.join(checkpoint, SCALER_NAME)
+        if not os.path.isfile(path):
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not engine.loss_scaler.is_enabled():
+            logger.info("%s: the checkpoint's fp16 loss scale is not used by this %s run",
+                        path, engine.plugin.compute_dtype)
+        elif state:  # a stock fp16 run's GradScaler, or an older offload checkpoint's own
+            engine.loss_scaler.load_state_dict(state)
         return None
 
     def evaluate(self, *args, **kwargs):

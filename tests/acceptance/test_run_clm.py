@@ -114,6 +114,15 @@ def test_run_clm_two_processes_save_and_resume(tmp_path):
     n_params = sum(len(g["params"]) for g in state["param_groups"])
     assert len(state["state"]) == n_params  # gathered from both ranks: every param's state
     assert state["zero_offload"]["world_size"] == 2
+    # the saved weights are the masters gathered from both ranks' shards, bit for bit (the
+    # optimizer state gathers them by another path)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    masters = [s["master"] for s in state["state"].values()]
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert all(any(m.shape == t.shape and torch.equal(m, t) for m in masters)
+               for t in weights.values())
 
     # resume the 2-rank checkpoint with one process
     resume = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), *common,
@@ -137,3 +146,34 @@ def test_options_that_would_be_ignored_raise(argv, match, tmp_path):
         sys.path.remove(str(ROOT / "scripts"))
     with pytest.raises(ValueError, match=match):
         run_clm.main([*argv, "--output_dir", str(tmp_path), "--use_cpu"])
+
+
+def test_evaluation_only_needs_only_the_validation_data(tmp_path):
+    """--do_eval --model_name_or_path M --validation_file V: no train file (issue 15, item
+    10); an unknown --zero_offload_<name> is one line naming the closest setting."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+
+    docs = stdlib_corpus(max_mb=0.05)
+    (tmp_path / "valid.txt").write_text("\n".join(docs))
+    tok = train_tokenizer(docs, vocab_size=300)
+    model_dir = tmp_path / "model"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2,
+                               n_head=2)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import run_clm
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    common = ["--model_name_or_path", str(model_dir), "--validation_file",
+              str(tmp_path / "valid.txt"), "--block_size", "32", "--max_eval_samples", "8",
+              "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+    with pytest.raises(ValueError, match="--do_train with --validation_file needs --train_file"):
+        run_clm.main(["--do_train", *common])
+    with pytest.raises(ValueError, match="did you mean '--zero_offload_bucket_size_mb'"):
+        run_clm.main(["--do_eval", "--zero_offload_bucket_size", "4", *common])
+    results = run_clm.main(["--do_eval", *common])
+    assert results["eval_samples"] == 8 and 1.0 < results["perplexity"] < 1e4
+    assert (tmp_path / "out" / "eval_results.json").is_file()

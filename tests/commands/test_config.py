@@ -47,10 +47,11 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     _accelerate_questions(child)
     child.expect(r"\[YES/no\]: ")
     child.sendline("")  # enable: the default, yes
-    child.expect(r"\(bf16/fp16/fp32\)\? \[bf16\]: ")  # the default shown, as accelerate's
+    # accelerate's mixed_precision is "no": the default offered is fp32, as the stock run's
+    child.expect(r"mixed_precision is 'no'.*\(fp32/bf16/fp16\)\? \[fp32\]: ")
     child.sendline("fp8")
     child.expect(r"'compute_dtype': 'fp8' is not allowed; allowed: fp16, bf16, fp32")
-    child.expect(r"\(bf16/fp16/fp32\)\? \[bf16\]: ")  # asked again
+    child.expect(r"\(fp32/bf16/fp16\)\? \[fp32\]: ")  # asked again
     child.sendline("fp16")
     child.expect(r"MiB.*\? \[32.0\]: ")
     child.sendline("-1")
@@ -68,6 +69,13 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"cpu_threads: threads for the CPU-Adam")
     child.expect(r"CPU threads.*\[0\]: ")
     child.sendline("2")
+    child.expect(r"Adam moments \(fp32/bf16/int8\)\? \[fp32\]: ")
+    child.sendline("int4")
+    child.expect(r"'state_dtype': 'int4' is not allowed; allowed: fp32, bf16, int8")
+    child.expect(r"Adam moments \(fp32/bf16/int8\)\? \[fp32\]: ")
+    child.sendline("bf16")
+    child.expect(r"\(fp32/compute\)\? \[fp32\]: ")
+    child.sendline("")  # the default: not written
     child.expect(r"loss scaler\? \[yes/NO\]: ")
     child.sendline("yes")
     child.expect(r"Initial loss scale\? \[65536.0\]: ")
@@ -89,10 +97,11 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     side = yaml.safe_load(Path(sidecar_path(str(cfg))).read_text())
     assert Path(sidecar_path(str(cfg))) == tmp_path / "acc_zoffload.yaml"
     assert side["zero_offload"] is True
-    assert ZeroOffloadPlugin(**side["zoffload"]) == ZeroOffloadPlugin(
-        compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
-        delayed_update_warmup_steps=5, cpu_threads=2, init_scale=1024, backoff_factor=0.25,
-        growth_interval=100, hysteresis=1)
+    chosen = dict(compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
+                  delayed_update_warmup_steps=5, cpu_threads=2, state_dtype="bf16",
+                  init_scale=1024, backoff_factor=0.25, growth_interval=100, hysteresis=1)
+    # only the answers that differ from the default offered: a default written would pin it
+    assert side["zoffload"] == ZeroOffloadPlugin(**chosen).to_dict(chosen)
     # accelerate's yaml has accelerate's keys only, and its own loader (the one `accelerate
     # launch --config_file` uses) still reads it
     from accelerate.commands.config.config_args import load_config_from_file
@@ -108,8 +117,29 @@ def test_wizard_disabled_asks_nothing_more(monkeypatch):
 
     answers = iter(["no"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
-    enabled, plugin = config.ask_offload(mixed_precision="bf16")
-    assert enabled is False and plugin.compute_dtype == "bf16"  # follows accelerate's answer
+    enabled, plugin, chosen = config.ask_offload(mixed_precision="bf16")
+    assert enabled is False and chosen == [] and plugin == ZeroOffloadPlugin()
+
+
+def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
+    """accelerate's fp16/bf16 is the compute dtype: not asked, not written (a different one
+    would be refused by prepare_zero_offload)."""
+    from hf_zoffload.commands import config
+
+    prompts = []
+    answers = iter(["yes", "", "", "", "", "", "compute"])
+
+    def answer(prompt=""):
+        prompts.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr("builtins.input", answer)
+    enabled, plugin, chosen = config.ask_offload(mixed_precision="bf16")
+    assert enabled and plugin.compute_dtype == "bf16" and plugin.save_dtype == "compute"
+    assert chosen == ["save_dtype"]
+    assert not any("dtype should the parameters have" in p for p in prompts)
+    assert "compute in bf16 on the device, as accelerate's mixed_precision" in \
+        capsys.readouterr().out
 
 
 def test_default_mode(tmp_path, capsys):
@@ -117,8 +147,8 @@ def test_default_mode(tmp_path, capsys):
     assert main(["config", "--default", "--config_file", str(cfg),
                  "--mixed_precision", "fp16"]) == 0
     side = yaml.safe_load((tmp_path / "sub" / "acc_zoffload.yaml").read_text())
-    assert side["zero_offload"] is True
-    assert side["zoffload"] == ZeroOffloadPlugin(compute_dtype="fp16").to_dict()
+    # the switch only: the compute dtype follows accelerate's fp16 at run time
+    assert side == {"zero_offload": True, "zoffload": {}}
     from accelerate.commands.config.config_args import load_config_from_file
 
     assert load_config_from_file(str(cfg)).mixed_precision == "fp16"

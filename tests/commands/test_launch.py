@@ -48,8 +48,11 @@ def test_find_sidecar_order(tmp_path):
                         environ={"HF_ZOFFLOAD_CONFIG": "x"}) == str(other)
     assert find_sidecar(zoffload_config=None, config_file=str(tmp_path / "none.yaml"),
                         environ={}) is None
-    with pytest.raises(FileNotFoundError, match="--zoffload_config"):
+    with pytest.raises(ValueError, match="^--zoffload_config=.*no.yaml: no such file"):
         find_sidecar(zoffload_config=str(tmp_path / "no.yaml"), config_file=None, environ={})
+    with pytest.raises(ValueError, match="^HF_ZOFFLOAD_CONFIG=.*no.yaml: no such file"):
+        find_sidecar(zoffload_config=None, config_file=None,
+                     environ={"HF_ZOFFLOAD_CONFIG": str(tmp_path / "no.yaml")})
 
 
 def test_launch_env_merges_sidecar_below_the_callers_env(tmp_path):
@@ -59,6 +62,11 @@ def test_launch_env_merges_sidecar_below_the_callers_env(tmp_path):
     assert env["HF_ZOFFLOAD_CPU_THREADS"] == "1"  # the caller's variable wins
     assert env["HF_ZOFFLOAD_ENABLED"] == "true" and env["HF_ZOFFLOAD_CONFIG"] == str(side)
     assert env["PATH"] == "/bin"
+    # nothing else: a setting nobody set keeps following its default (and the compute dtype
+    # accelerate's mixed_precision / the Trainer's --fp16/--bf16) in the processes
+    assert {k for k in env if k.startswith("HF_ZOFFLOAD_")} == {
+        "HF_ZOFFLOAD_BUCKET_SIZE_MB", "HF_ZOFFLOAD_CPU_THREADS", "HF_ZOFFLOAD_ENABLED",
+        "HF_ZOFFLOAD_CONFIG"}
     side.write_text(yaml.safe_dump({"zero_offload": False, "zoffload": {}}))
     assert launch_env(str(side), {})["HF_ZOFFLOAD_ENABLED"] == "false"
 
@@ -68,6 +76,48 @@ def test_bad_setting_fails_before_any_process_starts(tmp_path, capsys):
     rc = main(["launch", "--config_file", str(cfg), "does_not_exist.py"])
     assert rc == 2
     assert "'bucket_size_mb': 0 is not allowed; must be > 0.0" in capsys.readouterr().err
+
+
+def test_default_sidecar_exports_no_compute_dtype(tmp_path):
+    """`config --default` writes the switch only, so `launch ... --fp16` meets no compute
+    dtype the user never chose (issue 15, item 1)."""
+    cfg = tmp_path / "acc.yaml"
+    assert main(["config", "--default", "--config_file", str(cfg)]) == 0
+    env = launch_env(find_sidecar(zoffload_config=None, config_file=str(cfg), environ={}), {})
+    assert env["HF_ZOFFLOAD_ENABLED"] == "true"
+    assert not {k for k in env if k.startswith("HF_ZOFFLOAD_")} - {
+        "HF_ZOFFLOAD_ENABLED", "HF_ZOFFLOAD_CONFIG"}
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", "hf-zoffload launch: --zoffload_config={path}: no such file"),
+    ("yaml", "hf-zoffload launch: {path}: not valid YAML at line 3"),
+    ("triton", "hf-zoffload launch: ZeRO-Offload setting 'kernels': 'triton' needs a CUDA "
+               "device, and this run's device is cpu"),
+])
+def test_launch_errors_are_one_line(tmp_path, capsys, monkeypatch, problem, message):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite's interpreter mode
+    path = tmp_path / "side_zoffload.yaml"
+    if problem == "yaml":
+        path.write_text("zoffload:\n  cpu_threads: [1\n")
+    elif problem == "triton":
+        path.write_text("zoffload: {kernels: triton}\n")
+    rc = main(["launch", "--cpu", "--zoffload_config", str(path), "never_started.py"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(message.format(path=path)), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_launch_help_shows_every_option(capsys):
+    """accelerate's help formatter hid every option not on the command line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: hf-zoffload launch")
+    for option in ("--config_file", "--zoffload_config", "--cpu", "--multi_gpu",
+                   "--num_processes", "--mixed_precision", "--main_process_port"):
+        assert f"  {option}" in text, option
 
 
 def _launch(tmp_path, cfg, *args, env_extra=None):

@@ -77,6 +77,30 @@ def test_bf16_from_accelerate_mixed_precision_and_frozen_params():
     assert losses[-1] < losses[0]
 
 
+def test_no_mixed_precision_trains_in_fp32():
+    """mixed_precision "no" is fp32, as the stock accelerator.prepare trains (it used to
+    become pure bf16, the plugin's default, without a word); compute_dtype set wins."""
+    model = _tiny()
+    model, opt = prepare_zero_offload(Accelerator(cpu=True), model,
+                                      torch.optim.AdamW(model.parameters()))
+    assert opt.optimizer.plugin.compute_dtype == "fp32"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = _tiny()
+    model, opt = prepare_zero_offload(Accelerator(cpu=True), model,
+                                      torch.optim.AdamW(model.parameters()), compute_dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_triton_kernels_refused_before_any_work(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite's interpreter mode
+    model = _tiny()
+    with pytest.raises(ValueError, match="'kernels': 'triton' needs a CUDA device"):
+        prepare_zero_offload(Accelerator(cpu=True), model,
+                             torch.optim.AdamW(model.parameters()), kernels="triton")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # nothing was cast
+
+
 def test_fp16_installs_loss_scaler_and_skipped_steps_skip_the_scheduler():
     accelerator = Accelerator(cpu=True)
     model = _tiny()

@@ -165,8 +165,10 @@ def test_resume_continues_the_same_run(tmp_path, precision):
     ckpt = tmp_path / "full" / "checkpoint-3"
     names = set(os.listdir(ckpt))
     assert {"optimizer.pt", "scheduler.pt"} <= names
-    assert ("scaler.pt" in names) == (precision == "fp16")
+    # the loss scale is in optimizer.pt: a scaler.pt would stop a bf16/fp32 or stock resume
+    assert "scaler.pt" not in names
     state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert bool(state["zero_offload"]["loss_scaler"]) == (precision == "fp16")
     assert all("master" in s and s["exp_avg"].device.type == "cpu"
                for s in state["state"].values())
 
@@ -210,9 +212,10 @@ def test_arguments_reach_the_plugin(tmp_path, monkeypatch):
     (args,) = parser.parse_args_into_dataclasses(args=[
         "--output_dir", str(tmp_path), "--zero_offload", "--bf16", "--use_cpu",
         "--zero_offload_bucket_size_mb", "0.5", "--zero_offload_pin_memory", "false",
-        "--max_grad_norm", "0.25"])
+        "--zero_offload_state_dtype", "int8", "--max_grad_norm", "0.25"])
     plugin = args.zero_offload_plugin()
     assert (plugin.compute_dtype, plugin.bucket_size_mb, plugin.pin_memory) == ("bf16", 0.5, False)
+    assert plugin.state_dtype == "int8"
     assert (plugin.growth_interval, plugin.max_grad_norm) == (7, 0.25)  # env; Trainer's norm
     assert pickle.loads(pickle.dumps(args)).zero_offload_bucket_size_mb == 0.5
     help_text = parser.format_help()
@@ -258,6 +261,49 @@ def test_argument_errors(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
                                      **kw)
+
+
+def test_unknown_zero_offload_option_names_the_closest(tmp_path):
+    from hf_zoffload.integrations.trainer import check_argv
+
+    check_argv(["--zero_offload", "--zero_offload_state_dtype=bf16", "--fp16"])  # all known
+    for bad in ("--zero_offload_bucket_size", "--zero-offload-bucket-size=4"):
+        with pytest.raises(ValueError, match=r"unknown option --zero_offload_bucket_size; the "
+                                             r".*did you mean '--zero_offload_bucket_size_mb'"):
+            check_argv(["--output_dir", "x", bad])
+    with pytest.raises(ValueError, match="unknown option --zero_offload_state_dtypes"):
+        check_argv(["--zero_offload_state_dtypes", "bf16"])
+
+
+def test_bad_state_dtype_argument(tmp_path):
+    with pytest.raises(ValueError, match="'state_dtype': 'fp16' is not allowed; allowed: fp32, "
+                                         "bf16, int8"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
+                                     zero_offload_state_dtype="fp16")
+
+
+def test_compute_dtype_follows_accelerate_launch(tmp_path, monkeypatch):
+    """Under `accelerate launch` with mixed_precision bf16 the stock Trainer trains in bf16
+    without --bf16; so does the offload one, and a different explicit dtype conflicts."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True,
+                                        use_cpu=True)
+    assert args.zero_offload_plugin().compute_dtype == "bf16"
+    with pytest.raises(ValueError, match="accelerate's mixed_precision bf16 "
+                                         r"\(ACCELERATE_MIXED_PRECISION\) conflicts with"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
+                                     zero_offload_compute_dtype="fp16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    args = ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True,
+                                        use_cpu=True)
+    assert args.zero_offload_plugin().compute_dtype == "fp32"
+
+
+def test_triton_kernels_refused_with_the_arguments(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite's interpreter mode
+    with pytest.raises(ValueError, match="setting 'kernels': 'triton' needs a CUDA device"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
+                                     zero_offload_kernels="triton")
 
 
 def test_env_dtype_conflict_names_both(tmp_path, monkeypatch):

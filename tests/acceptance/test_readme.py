@@ -1,0 +1,166 @@
+"""Every fenced snippet of README.md runs here, as written (issue 15: the README's snippets
+cannot drift). A new snippet fails `test_every_snippet_has_a_runner` until it gets one."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+
+from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+
+
+def snippets() -> list[tuple[str, str]]:
+    return FENCE.findall((ROOT / "README.md").read_text())
+
+
+def _find(lang: str, needle: str) -> str:
+    found = [code for kind, code in snippets() if kind == lang and needle in code]
+    assert len(found) == 1, f"README: one {lang} snippet with {needle!r}, found {len(found)}"
+    return found[0]
+
+
+# (language, a text that identifies the snippet) -> the test that runs it
+RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
+           ("python", "ZeroOffloadTrainer("): "test_trainer_snippet",
+           ("bash", "scripts/run_clm.py"): "test_run_clm_snippet",
+           ("diff", "prepare_zero_offload"): "test_accelerate_snippet",
+           ("bash", "hf-zoffload config"): "test_commands_snippet",
+           ("python", "ZeroOffloadOptimizer("): "test_plain_loop_snippet",
+           ("text", "hf-zoffload estimate"): "test_estimate_snippet"}
+
+
+def test_every_snippet_has_a_runner():
+    for lang, code in snippets():
+        owners = [t for (k, needle), t in RUNNERS.items() if k == lang and needle in code]
+        assert len(owners) == 1, f"README snippet without exactly one runner:\n{code}"
+
+
+def _env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZOFFLOAD_")}
+    bindir = os.path.dirname(sys.executable)  # hf-zoffload and python of this environment
+    env.update(PATH=bindir + os.pathsep + env.get("PATH", ""), HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def test_setup_lines():
+    """Both lines name scripts the suite runs: quickstart.sh by test_quickstart.py (set-up
+    skipped), test.sh being what runs this suite; the set-up says what it installs."""
+    code = _find("bash", "bash scripts/quickstart.sh")
+    for line in code.strip().splitlines():
+        script = ROOT / line.split()[1]
+        assert script.is_file(), line
+    setup = (ROOT / "scripts" / "_setup_env.sh").read_text().splitlines()
+    installs = [i for i, line in enumerate(setup) if "pip install" in line]
+    assert installs
+    for i in installs:  # each quiet pip step is announced on the line before it
+        assert setup[i - 1].lstrip().startswith('echo "[setup'), setup[i - 1]
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_trainer_snippet(tmp_path, monkeypatch, fresh_accelerate):
+    monkeypatch.chdir(tmp_path)
+    scope = {"model": tiny_gpt2(), "train_ds": TokenBlocks(8, vocab=VOCAB, seq=16)}
+    exec(_find("python", "ZeroOffloadTrainer("), scope)
+    trainer = scope["trainer"]
+    assert trainer.engine is not None and trainer.state.global_step == 3
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_plain_loop_snippet(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    batches = [{"input_ids": b["input_ids"][None], "labels": b["labels"][None]}
+               for b in TokenBlocks(3, vocab=VOCAB, seq=16)]
+    scope = {"model": tiny_gpt2(), "loader": batches}
+    exec(_find("python", "ZeroOffloadOptimizer("), scope)
+    saved = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
+    assert saved["transformer.wte.weight"].dtype == torch.float32
+    assert scope["opt"].applied_steps == 3
+
+
+def test_accelerate_snippet(fresh_accelerate):
+    diff = _find("diff", "prepare_zero_offload")
+    code = "\n".join(line[1:] for line in diff.splitlines() if not line.startswith("-"))
+    data = TokenBlocks(8, vocab=VOCAB, seq=16)
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    scope = {"torch": torch, "model": tiny_gpt2(), "loader": loader}
+    exec(code, scope)
+    engine = scope["optimizer"].optimizer
+    assert engine.plugin.compute_dtype == "fp32"  # accelerate's mixed_precision "no"
+    assert engine.applied_steps == 2  # 4 batches, 2 per step
+
+
+def test_run_clm_snippet(tmp_path):
+    """The two run_clm.py lines, with options that make them small and quick appended (later
+    options win); --use_cpu where there is no GPU, as the README says."""
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+
+    docs = stdlib_corpus(max_mb=0.1)
+    (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
+    (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
+    train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tokenizer")
+    code = _find("bash", "scripts/run_clm.py").replace("\\\n", " ")
+    small = ["--block_size", "32", "--max_eval_samples", "8", "--report_to", "none",
+             "--disable_tqdm", "true"]
+    lines = code.strip().splitlines()
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        argv = line.split()
+        assert argv[:2] == ["python", "scripts/run_clm.py"]
+        extra = small + (["--config_overrides", "n_layer=2,n_embd=32,n_head=2", "--max_steps",
+                          "3", "--max_train_samples", "64", "--save_strategy", "no"]
+                         if i == 0 else [])
+        if i == 0 and not torch.cuda.is_available():
+            extra.append("--use_cpu")
+        proc = subprocess.run([sys.executable, str(ROOT / argv[1]), *argv[2:], *extra],
+                              cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                              text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "perplexity" in proc.stdout + proc.stderr
+    assert (tmp_path / "eval_out" / "eval_results.json").is_file()
+
+
+@pytest.mark.slow
+def test_commands_snippet(tmp_path):
+    code = _find("bash", "hf-zoffload config")
+    env = _env(tmp_path, CUDA_VISIBLE_DEVICES="")
+    for line in code.strip().splitlines():
+        command = line.split("#")[0].strip()
+        proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=400)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-3000:])
+        if command.startswith("hf-zoffload launch"):
+            assert "ZeRO-Offload enabled; settings from" in proc.stderr
+            assert '"zero_offload": true' in proc.stdout
+        if command == "hf-zoffload env":
+            assert "default_config_zoffload.yaml; enabled: True" in proc.stdout
+
+
+def test_estimate_snippet(tmp_path):
+    """The command as shown; every line shown after "..." is in its output."""
+    code = _find("text", "hf-zoffload estimate")
+    command, shown = code.splitlines()[0].removeprefix("$ "), code.split("...\n", 1)[1]
+    out = subprocess.run(command.split(), env=_env(tmp_path), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for line in shown.strip().splitlines():
+        assert line in out.stdout.splitlines(), line
