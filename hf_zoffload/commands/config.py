@@ -182,6 +182,8 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
     ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
                        "processes per node)?")
     ask("state_dtype", "In which dtype should the host keep the Adam moments (fp32/bf16/int8)?")
+    ask("host_memory_limit", "How much host memory may each process use for the optimizer "
+        "state, with a unit (48GiB; 0: what the machine has available)?")
     ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "
                       "model's: the fp32 master weights or the compute-dtype copy "
                       "(fp32/compute)?")

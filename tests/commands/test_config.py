@@ -74,6 +74,11 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"'state_dtype': 'int4' is not allowed; allowed: fp32, bf16, int8")
     child.expect(r"Adam moments \(fp32/bf16/int8\)\? \[fp32\]: ")
     child.sendline("bf16")
+    child.expect(r"optimizer state, with a unit .*\? \[0\]: ")
+    child.sendline("48")  # no unit
+    child.expect(r"host_memory_limit.*expected a number with a unit")
+    child.expect(r"optimizer state, with a unit .*\? \[0\]: ")
+    child.sendline("48GiB")
     child.expect(r"\(fp32/compute\)\? \[fp32\]: ")
     child.sendline("")  # the default: not written
     child.expect(r"loss scaler\? \[yes/NO\]: ")
@@ -99,7 +104,7 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     assert side["zero_offload"] is True
     chosen = dict(compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
                   delayed_update_warmup_steps=5, cpu_threads=2, state_dtype="bf16",
-                  init_scale=1024, backoff_factor=0.25, growth_interval=100, hysteresis=1)
+                  host_memory_limit="48gib", init_scale=1024, backoff_factor=0.25, growth_interval=100, hysteresis=1)
     # only the answers that differ from the default offered: a default written would pin it
     assert side["zoffload"] == ZeroOffloadPlugin(**chosen).to_dict(chosen)
     # accelerate's yaml has accelerate's keys only, and its own loader (the one `accelerate
@@ -127,7 +132,7 @@ def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
     from hf_zoffload.commands import config
 
     prompts = []
-    answers = iter(["yes", "", "", "", "", "", "compute"])
+    answers = iter(["yes", "", "", "", "", "", "", "compute"])
 
     def answer(prompt=""):
         prompts.append(prompt)

@@ -84,3 +84,5 @@ def test_engine_refuses_before_touching_the_params():
         ZeroOffloadPlugin(host_memory_limit="48")
     assert ZeroOffloadPlugin(host_memory_limit="48GiB").host_memory_limit_bytes == 48 * GIB
     assert ZeroOffloadPlugin().host_memory_limit_bytes == 0
+    env = {"HF_ZOFFLOAD_HOST_MEMORY_LIMIT": "64GB"}  # one name end to end
+    assert ZeroOffloadPlugin.from_sources(environ=env).host_memory_limit_bytes == 64 * 10**9
