@@ -133,9 +133,11 @@ def load_state_dict(opt, sd: dict) -> None:
             continue  # frozen here: nothing to restore
         b, s = ours_by_param[p]
         for key in ("exp_avg", "exp_avg_sq", "master"):
-            if key in st and st[key].numel() != s.numel:
-                raise ValueError(f"param group {gi} param {pos}: {key} has "
-                                 f"{st[key].numel()} elements, the param has {s.numel}")
+            if key in st and tuple(st[key].shape) != tuple(s.param.shape):
+                raise ValueError(
+                    f"param group {gi} param {pos}: the state_dict's {key} has shape "
+                    f"{tuple(st[key].shape)}, the param {tuple(s.param.shape)}: a checkpoint "
+                    "of another model, or of the same model with its params in another order")
         if "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st:
             raise ValueError(f"param group {gi} param {pos}: state needs step, exp_avg, "
                              "exp_avg_sq")

@@ -94,3 +94,23 @@ def test_a_stock_adamw_checkpoint_keeps_masters_the_params_round_to():
             assert torch.equal(master, p.detach().float())
         else:
             assert torch.equal(master, fp32[name]), name  # not the bf16 rounding of it
+
+
+def test_a_checkpoint_of_another_model_or_param_order_changes_nothing():
+    model = _Net()
+    opt = ZeroOffloadOptimizer(model.parameters(), lr=1e-2,
+                               plugin=ZeroOffloadPlugin(compute_dtype="fp32"))
+    model(torch.randn(6, 7)).backward()
+    opt.step()
+    sd = opt.state_dict()
+    before = {k: v.clone() for k, v in opt.host_views(model.a.weight).items()}
+    swapped = dict(sd, state=dict(sd["state"]))
+    swapped["state"][0], swapped["state"][2] = sd["state"][2], sd["state"][0]  # a.weight, b.weight
+    with pytest.raises(ValueError, match="another model, or of the same model with its params "
+                                         "in another order"):
+        opt.load_state_dict(swapped)
+    other = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters())
+    with pytest.raises(ValueError, match="param groups|params"):
+        opt.load_state_dict(other.state_dict())
+    for k, v in opt.host_views(model.a.weight).items():
+        assert torch.equal(v, before[k]), k  # nothing changed
