@@ -1,0 +1,287 @@
+"""Killed and resumed, nothing lost (issue 14, item 3).
+
+`scripts/run_clm.py --zero_offload` is killed with SIGKILL at a seeded random step after a
+checkpoint, resumed with --resume_from_checkpoint, and must log the same losses, bit for bit,
+as a run that was never interrupted: fp32 and bf16, with and without the delayed update. A
+checkpoint whose save was cut short must be refused with one clear error, never resumed from.
+
+Every run_clm process spends ~11 s of its ~15 s importing torch and transformers, so the 13
+processes start in two rounds (the reference and killed runs, then the resumes and the broken
+checkpoint) instead of one after another: both rounds took 100 s on 2 busy cores (~190 s of
+CPU), against ~195 s in a row.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
+from tests.acceptance.test_run_clm import ROOT, offline_env
+
+# Checkpoints at 6, 12 and 14 (the Trainer also saves at the last step).
+STEPS, SAVE_EVERY = 14, 6
+KILL_SEED = 14
+# Warm-up 2: the delay starts at step 3, so the checkpoint at 6 is saved with an update in
+# flight (the save must land it first) and the resumed run is delayed from its first step.
+DELAYED = ["--zero_offload_delayed_update", "true",
+           "--zero_offload_delayed_update_warmup_steps", "2"]
+COMBOS = {"fp32": [], "fp32-delayed": DELAYED, "bf16": ["--bf16"],
+          "bf16-delayed": ["--bf16", *DELAYED]}
+MARKER = ZeroOffloadTrainer.COMPLETE_NAME
+
+
+def _kill_step(name: str) -> int:
+    # After the checkpoint at SAVE_EVERY and 3 steps or more before the next save: the kill
+    # lands a fraction of a step after the log line is read (a step is ~25 ms on an idle
+    # core), so a loaded machine has 3 steps of slack before a kill could hit that save.
+    return random.Random(f"{KILL_SEED}-{name}").randint(SAVE_EVERY + 1, 2 * SAVE_EVERY - 3)
+
+
+def _argv(tok: Path, out: Path, extra) -> list[str]:
+    # The built-in corpus and default GPT-2 (dropout on: the RNG state must resume too),
+    # shrunk to 1 layer of width 32 on 32-token blocks; accumulation 2 for a real window.
+    return [sys.executable, str(ROOT / "scripts" / "run_clm.py"), "--zero_offload",
+            "--do_train", "--tokenizer_name", str(tok), "--corpus_mb", "0.05",
+            "--config_overrides", "n_layer=1,n_embd=32,n_head=2", "--block_size", "32",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+            "--max_steps", str(STEPS), "--learning_rate", "3e-3", "--logging_steps", "1",
+            "--save_strategy", "steps", "--save_steps", str(SAVE_EVERY), "--report_to", "none",
+            "--disable_tqdm", "true", "--use_cpu", "--dataloader_pin_memory", "false",
+            "--zero_offload_cpu_threads", "1", "--output_dir", str(out), *extra]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in offline_env().items() if not k.startswith("HF_ZOFFLOAD_")}
+    # Unbuffered: the killer reads each step's log line as it is printed. One thread per
+    # process: eight processes share the cores, and every run computes with the same count.
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def _start(argv, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_env())
+
+
+def _kill_at(proc: subprocess.Popen, step: int, log: Path, result: dict) -> None:
+    """SIGKILL ``proc`` when its ``step``-th per-step log line appears (logging_steps=1);
+    record how many steps it logged in all."""
+    seen = 0
+    with open(log, "w") as f:
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith("{'loss'"):
+                seen += 1
+                if seen == step:
+                    proc.send_signal(signal.SIGKILL)
+    result.update(rc=proc.wait(), logged=seen)
+
+
+def _history(out: Path) -> dict[int, dict]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return {e["step"]: e for e in state["log_history"] if "loss" in e}
+
+
+def _log(path: Path) -> str:
+    return path.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+
+    base = tmp_path_factory.mktemp("kill_resume")
+    tok = base / "tok"  # built once: every run must see the same token ids
+    train_tokenizer(stdlib_corpus(max_mb=0.05), vocab_size=300).save_pretrained(tok)
+    res = {name: {"kill_at": _kill_step(name), "killed": {}} for name in COMBOS}
+    procs, killers = [], []
+    for name, extra in COMBOS.items():
+        r = res[name]
+        r["ref"], r["out"] = base / f"ref-{name}", base / f"run-{name}"
+        procs.append((r, "ref_rc", _start(_argv(tok, r["ref"], extra), base / f"ref-{name}.log")))
+        killed = subprocess.Popen(_argv(tok, r["out"], extra), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=_env())
+        killers.append(threading.Thread(target=_kill_at, args=(
+            killed, r["kill_at"], base / f"killed-{name}.log", r["killed"])))
+        killers[-1].start()
+    for r, key, p in procs:
+        r[key] = p.wait(timeout=600)
+    for t in killers:
+        t.join(timeout=600)
+
+    # Round two: every resume, and one from a checkpoint cut short as a SIGKILL in the middle
+    # of its optimizer.pt leaves it (the Trainer writes model, optimizer, scheduler, RNG,
+    # trainer_state.json, then our marker): that file half written, the later ones absent.
+    procs = []
+    for name, extra in COMBOS.items():
+        r = res[name]
+        r["ckpt"] = get_last_checkpoint(r["out"]) if r["out"].is_dir() else None
+        if r["ckpt"]:
+            procs.append((r, "resume_rc", _start(
+                _argv(tok, r["out"], [*extra, "--resume_from_checkpoint", r["ckpt"]]),
+                base / f"resume-{name}.log")))
+    broken = base / "broken"
+    shutil.copytree(res["fp32"]["ref"], broken)
+    cut = broken / f"checkpoint-{STEPS}"
+    opt = cut / "optimizer.pt"
+    os.truncate(opt, opt.stat().st_size // 2)
+    for name in ("scheduler.pt", "rng_state.pth", "trainer_state.json", MARKER):
+        (cut / name).unlink()
+    res["broken"] = {"dir": broken, "listing": sorted(os.listdir(broken)),
+                     "log": base / "broken.log"}
+    procs.append((res["broken"], "rc", _start(
+        _argv(tok, broken, ["--resume_from_checkpoint", str(cut)]), res["broken"]["log"])))
+    for r, key, p in procs:
+        r[key] = p.wait(timeout=600)
+    res["base"] = base
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_killed_run_resumes_to_the_same_losses(runs, name):
+    r, base = runs[name], runs["base"]
+    assert r["ref_rc"] == 0, _log(base / f"ref-{name}.log")
+    killed = r["killed"]
+    assert killed["rc"] == -signal.SIGKILL, _log(base / f"killed-{name}.log")
+    # Killed after step kill_at (seed KILL_SEED), before the save at 2 * SAVE_EVERY: the
+    # newest checkpoint is the one at SAVE_EVERY and steps after it were lost.
+    assert r["kill_at"] <= killed["logged"] < 2 * SAVE_EVERY, killed
+    assert Path(r["ckpt"]).name == f"checkpoint-{SAVE_EVERY}"
+    assert (Path(r["ckpt"]) / MARKER).is_file()
+    assert r["resume_rc"] == 0, _log(base / f"resume-{name}.log")
+
+    ref, resumed = _history(r["ref"]), _history(r["out"])
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(SAVE_EVERY + 1, STEPS + 1):  # logged after the resume: bit for bit
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert resumed[step][key] == ref[step][key], (step, key, resumed[step], ref[step])
+    got, want = load_file(r["out"] / "model.safetensors"), load_file(r["ref"] / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_delayed_runs_were_delayed(runs, dtype):
+    # Equal through the warm-up (steps 1-3 compute on the same params), different from step
+    # 4, whose forward runs on the params of step 2: else the option did not take effect.
+    sync, delayed = _history(runs[dtype]["ref"]), _history(runs[f"{dtype}-delayed"]["ref"])
+    assert [sync[s]["loss"] for s in (1, 2, 3)] == [delayed[s]["loss"] for s in (1, 2, 3)]
+    assert sync[4]["loss"] != delayed[4]["loss"]
+
+
+@pytest.mark.slow
+def test_run_clm_refuses_a_checkpoint_cut_short(runs):
+    b = runs["broken"]
+    text = b["log"].read_text()
+    assert b["rc"] != 0, text[-3000:]
+    cut, prev = b["dir"] / f"checkpoint-{STEPS}", b["dir"] / f"checkpoint-{2 * SAVE_EVERY}"
+    assert f"checkpoint {cut} is incomplete (no {MARKER} and no scheduler.pt, " in text, text
+    assert f"The newest complete checkpoint is {prev}" in text, text[-3000:]
+    assert sorted(os.listdir(b["dir"])) == b["listing"]  # refused before writing anything
+
+
+# ------------------------------------------------------- in process: resume_from_checkpoint=True
+def _reset_accelerate():
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton
+    GradientState._reset_state()
+
+
+def _train(out: Path, resume=None, model=None) -> dict[int, float]:
+    """4 steps of a tiny GPT-2, checkpoints at 2 and 4; returns the loss of each step."""
+    _reset_accelerate()
+    args = ZeroOffloadTrainingArguments(
+        output_dir=str(out), zero_offload=True, max_steps=4, save_strategy="steps",
+        save_steps=2, logging_steps=1, per_device_train_batch_size=2, learning_rate=1e-2,
+        use_cpu=True, report_to=[], disable_tqdm=True, seed=0)
+    trainer = ZeroOffloadTrainer(model=model or tiny_gpt2(), args=args,
+                                 train_dataset=TokenBlocks(16, vocab=VOCAB, seq=16))
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        _reset_accelerate()
+    return {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted run for every variant below to copy: (its losses, its directory)."""
+    out = tmp_path_factory.mktemp("full")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+            mp.delenv(key)
+        logs = _train(out)
+    assert sorted(logs) == [1, 2, 3, 4]
+    return logs, out
+
+
+@pytest.fixture
+def run_copy(full_run, tmp_path, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+    shutil.copytree(full_run[1], tmp_path, dirs_exist_ok=True)
+    return full_run[0], tmp_path
+
+
+def _cut_short(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+# What a save killed at some point, or a crash of the machine, leaves in checkpoint-4. The
+# first two are resumed from without a word by the stock load (it skips missing files).
+BREAKS = {
+    "optimizer.pt missing": (lambda c: (c / "optimizer.pt").unlink(),
+                             "optimizer.pt is missing"),
+    "rng_state.pth missing": (lambda c: (c / "rng_state.pth").unlink(),
+                              "rng_state.pth is missing"),
+    "weights cut short": (lambda c: _cut_short(c / "model.safetensors"),
+                          r"model.safetensors has \d+ bytes, \d+ were saved"),
+    "killed before the last file": (
+        lambda c: [(c / n).unlink() for n in ("trainer_state.json", MARKER)],
+        f"no {MARKER} and no trainer_state.json"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BREAKS))
+def test_resume_true_refuses_a_broken_newest_checkpoint(run_copy, kind):
+    full, out = run_copy
+    brk, why = BREAKS[kind]
+    brk(out / "checkpoint-4")
+
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=rf"checkpoint-4 is incomplete \({why}\): its save was "
+                       rf"interrupted. The newest complete checkpoint is .*checkpoint-2"):
+        _train(out, resume=True, model=model)
+    # refused before the checkpoint's weights were loaded: still the seeded initial ones
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 tiny_gpt2().state_dict().values()))
+
+    resumed = _train(out, resume=str(out / "checkpoint-2"))  # the one the error named
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def test_checkpoint_killed_after_its_last_file_still_resumes(run_copy):
+    # The marker is written after trainer_state.json; a kill between the two leaves every file
+    # whole, and a checkpoint saved without offload has no marker at all: both resume.
+    full, out = run_copy
+    sizes = json.loads((out / "checkpoint-4" / MARKER).read_text())["files"]
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            "model.safetensors"} <= sizes.keys()
+    (out / "checkpoint-2" / MARKER).unlink()
+    resumed = _train(out, resume=str(out / "checkpoint-2"))
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
