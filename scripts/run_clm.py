@@ -236,7 +236,12 @@ def main(argv=None) -> dict:
 
     results = {}
     if args.do_train:
-        out = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        resume = args.resume_from_checkpoint
+        # TrainingArguments types it as a path; "true" means the newest checkpoint in
+        # --output_dir, as trainer.train(resume_from_checkpoint=True) does
+        if resume is not None and resume.strip().lower() == "true":
+            resume = True
+        out = trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
         metrics = dict(out.metrics, train_samples=len(train))
         trainer.log_metrics("train", metrics)

@@ -130,8 +130,11 @@ def runs(tmp_path_factory):
         r = res[name]
         r["ckpt"] = get_last_checkpoint(r["out"]) if r["out"].is_dir() else None
         if r["ckpt"]:
+            # "true" (the newest complete checkpoint in --output_dir) for one combination,
+            # the path for the others: both spellings of run_clm's option
+            where = "true" if name == "fp32" else r["ckpt"]
             procs.append((r, "resume_rc", _start(
-                _argv(tok, r["out"], [*extra, "--resume_from_checkpoint", r["ckpt"]]),
+                _argv(tok, r["out"], [*extra, "--resume_from_checkpoint", where]),
                 base / f"resume-{name}.log")))
     broken = base / "broken"
     shutil.copytree(res["fp32"]["ref"], broken)
