@@ -11,8 +11,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "hf_zoffload"
 # offload/ in dependency order: a file may import only files listed before it.
 OFFLOAD_ORDER = ["support", "layout", "host", "copier", "state", "exchange", "collectives",
-                 "partitioned", "delayed", "update", "params", "memory", "checkpoint",
-                 "hooks", "engine"]
+                 "partitioned", "tensor_parallel", "delayed", "update", "params", "memory",
+                 "checkpoint", "hooks", "engine"]
 
 
 def _module(path: Path) -> str:

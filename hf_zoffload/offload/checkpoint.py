@@ -11,6 +11,8 @@ With N ranks the format is the same, whole state (gathered onto one rank when sa
 checkpoint saved with N ranks loads with any M: each rank copies out its own shard. Chosen
 over per-rank shard files because it needs no index, loads into torch's AdamW and into one
 process, and costs the saving rank one full copy of the state (16 B/param) at save time.
+With tensor parallelism every tensor is the whole param (the shards gathered), so a checkpoint
+saved with any tensor-parallel size loads with any other, or with none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import copy
 import torch
 
 from ..ops.cpu_adam import check_hyper
+from .support import is_dtensor
 
 FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -30,28 +33,31 @@ def state_dict(opt, *, to: int = 0) -> dict:
     other ranks get the same dict with no state, marked so that loading it fails).
 
     Reads the engine's public facts: ``buckets`` (layout and host state), ``param_steps``,
-    ``exchange`` (rank, world, gather), ``loss_scaler``, ``skipped_steps``,
+    ``exchange`` (world, gather, whole, receives), ``loss_scaler``, ``skipped_steps``,
     ``applied_steps``."""
     ex = opt.exchange
-    state, shell = {}, ex.rank != to
+    parts = []
     for b in opt.buckets:
-        # the whole bucket on rank `to`, else None
-        whole = ex.gather(b, [b.state.master, *b.state.moments_fp32()], to=to)
-        if whole is None:
+        # the whole bucket (of local tensors) on rank `to`, else None
+        got = ex.gather(b, [b.state.master, *b.state.moments_fp32()], to=to)
+        if got is None:
             continue
-        master, exp_avg, exp_avg_sq = whole
         for s in b.layout.slots:
             if opt.param_steps[s.index] == 0:
                 continue  # torch keeps no state for a param that never stepped
             sl = slice(s.offset, s.offset + s.numel)
-            shape = s.param.shape
-            # clone: a view would pickle the whole flat bucket storage with each param
-            state[s.index] = {
-                "step": torch.tensor(float(opt.param_steps[s.index])),
-                "exp_avg": exp_avg[sl].view(shape).clone(),
-                "exp_avg_sq": exp_avg_sq[sl].view(shape).clone(),
-                "master": master[sl].view(shape).clone(),
-            }
+            parts.append((s, [t[sl] for t in got]))  # master, exp_avg, exp_avg_sq
+    parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
+    state, shell = {}, not ex.receives(to)
+    for (s, _), (master, exp_avg, exp_avg_sq) in zip(parts, ex.whole(parts)):
+        # clone: a view would pickle the whole flat bucket storage with each param
+        state[s.index] = {
+            "step": torch.tensor(float(opt.param_steps[s.index])),
+            "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(),
+            "master": master.clone(),
+        }
+    if shell:
+        state = {}
     groups, index = [], 0
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
@@ -67,7 +73,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "skipped_steps": opt.skipped_steps,
             "applied_steps": opt.applied_steps,
             "world_size": ex.world,
-            **({"shell_of_rank": ex.rank} if shell else {}),
+            **({"shell_of_rank": getattr(ex, "coll", ex).rank} if shell else {}),
         },
     }
 
@@ -76,20 +82,27 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
     """``model.state_dict()`` with each param the engine trains replaced by its fp32 master
     weights (CPU tensors, bit for bit); with N ranks a collective that gathers them onto rank
     ``to`` (the others get None). Entries of params the engine does not train are the
-    model's own tensors, detached, in their own dtype."""
-    ex, masters = opt.exchange, {}
+    model's own tensors, detached, in their own dtype (a DTensor's whole tensor: a
+    collective over its mesh)."""
+    ex, parts = opt.exchange, []
     for b in opt.buckets:
-        whole = ex.gather(b, [b.state.master], to=to)
-        if whole is None:
-            continue
-        for s in b.layout.slots:
-            masters[id(s.param)] = whole[0][s.offset:s.offset + s.numel].view(s.param.shape)
-    if ex.rank != to:
+        got = ex.gather(b, [b.state.master], to=to)
+        if got is not None:
+            parts += [(s, [got[0][s.offset:s.offset + s.numel]]) for s in b.layout.slots]
+    parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
+    masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.whole(parts))}
+    trained = {id(s.param) for b in opt.buckets for s in b.layout.slots}
+    others = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
+              if id(t) not in trained}
+    for name, t in others.items():  # frozen DTensors: every rank of the mesh gathers
+        if is_dtensor(t):
+            others[name] = t.full_tensor()
+    if not ex.receives(to):
         return None
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         m = masters.get(id(t))
-        out[name] = t.detach() if m is None else m.clone()  # clone: not a view of a bucket
+        out[name] = others[name] if m is None else m.clone()  # clone: not a view of a bucket
     if masters and not any(id(t) in masters for t in model.state_dict(keep_vars=True).values()):
         raise ValueError("master_state_dict: none of the optimizer's params belongs to this "
                          "model; pass the model the optimizer was built on (unwrapped)")
@@ -166,15 +179,15 @@ def load_state_dict(opt, sd: dict) -> None:
     for b, s, st in plan:
         own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
         h = b.state
-        h.set_moments(own.start, st["exp_avg"].reshape(-1)[mine],
-                      st["exp_avg_sq"].reshape(-1)[mine])
+        part = opt.exchange.local_part  # a whole tensor's elements of this rank's local one
+        h.set_moments(own.start, part(s, st["exp_avg"])[mine], part(s, st["exp_avg_sq"])[mine])
         if "master" in st:
-            master = st["master"].reshape(-1)
+            master = part(s, st["master"])
             h.master[own].copy_(master[mine])
             # the device params follow the master weights (every rank has all of them)
             s.flat().copy_(master)
         else:  # an AdamW checkpoint: the params are the weights
-            _master_from_param(h, own, s.param.detach().reshape(-1)[mine])
+            _master_from_param(h, own, s.flat()[mine])
         opt.param_steps[s.index] = int(float(st["step"]))
         loaded.add(s.index)
     for b in opt.buckets:
@@ -184,7 +197,7 @@ def load_state_dict(opt, sd: dict) -> None:
                 own, mine = b.layout.owned(s)
                 zero = torch.zeros(own.stop - own.start)
                 h.set_moments(own.start, zero, zero)
-                _master_from_param(h, own, s.param.detach().reshape(-1)[mine])
+                _master_from_param(h, own, s.flat()[mine])
                 opt.param_steps[s.index] = 0
     if scaler_sd is not None:
         opt.loss_scaler.load_state_dict(scaler_sd)

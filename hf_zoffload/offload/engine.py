@@ -8,10 +8,11 @@ or on the CPU straight into each param's storage.
 
 Per backward, a post-accumulate-grad hook moves each gradient into its bucket's flat buffer
 and frees ``param.grad``; a complete bucket goes to the exchange (exchange.py: one process,
-or partitioned.py: data parallel), which checks it (inf/nan flag and squared norm, one kernel)
-and lands it on the host through the copier (copier.py). Gradient accumulation needs no
-boundary signal: every backward since the last ``step()`` / ``zero_grad()`` is summed, the
-second and later ones into an fp32 host buffer (docs/design.md, "Accumulation window").
+partitioned.py: data parallel, tensor_parallel.py: DTensor shards), which checks it (inf/nan
+flag and squared norm, one kernel) and lands it on the host through the copier (copier.py).
+Gradient accumulation needs no boundary signal: every backward since the last ``step()`` /
+``zero_grad()`` is summed, the second and later ones into an fp32 host buffer
+(docs/design.md, "Accumulation window").
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report
 from .params import ParamWatch, check_placement
-from .partitioned import make_exchange
 from .state import Bucket, place
+from .support import check_clip_args, local_grad
+from .tensor_parallel import make_exchange
 from .update import Work, cpu_threads, plan, run
 
 
@@ -96,8 +98,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         pin = self.device.type == "cuda" and plugin.pin_memory
         self.copier = make_copier(self.device, pin=pin)
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
-        self.exchange = make_exchange(process_group, device=self.device, copier=self.copier,
-                                      dtype=self.dtype,
+        self.exchange = make_exchange(process_group, slots=slots, device=self.device,
+                                      copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
         layouts = build_layouts(slots, bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
                                 rank=self.exchange.rank, world=self.exchange.world,
@@ -124,8 +126,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._check_kernel = unscale_check_host_ if self.device.type == "cpu" and \
             kernel_backend(self.device, plugin.kernels) == "torch" else \
             functools.partial(unscale_check_, backend=plugin.kernels)
+        # [whole params, tensor-parallel shards]: the norm counts them differently
         self._found_inf, self._sumsq, self._ones = (
-            torch.full((1,), x, dtype=torch.float32, device=self.device) for x in (0, 0, 1))
+            torch.full((n,), x, dtype=torch.float32, device=self.device)
+            for x, n in ((0, 1), (0, 2), (1, 1)))
+        self._sumsq_part = (self._sumsq[0:1], self._sumsq[1:2])
         self._in_backward = False
         self._delayed = DelayedUpdate()
         self._uploads_pending: list = []  # (bucket, out) of a delayed update, to upload
@@ -177,17 +182,17 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                                    "clip only once the gradients of this step are complete")
             self.exchange.open(b)
         dst = w.pending[lo:hi]
-        (dst.add_ if w.prefilled else dst.copy_)(p.grad.reshape(-1))
+        (dst.add_ if w.prefilled else dst.copy_)(local_grad(p, p.grad).reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
         w.present[i] = True
         w.arrived += 1
         if w.arrived == n_slots:
             self.exchange.flush(b)
 
-    def _check(self, buf) -> None:
+    def _check(self, buf, b: Bucket) -> None:
         inv = self.loss_scaler.inv_scale_tensor(self.device) if self.loss_scaler.is_enabled() \
             else self._ones
-        self._check_kernel(buf, inv, self._found_inf, self._sumsq)
+        self._check_kernel(buf, inv, self._found_inf, self._sumsq_part[b.layout.sharded])
 
     def _end_backward(self) -> None:
         ended, self._in_backward = self._in_backward, False
@@ -212,12 +217,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         for b in live:
             if b.window.landed > 1:
                 b.state.grads.acc.add_(b.window.last)
-        flag, sumsq = torch.stack([self._found_inf[0], self._sumsq[0]]).tolist()  # one read
+        flag, *sums = torch.cat([self._found_inf, self._sumsq]).tolist()  # one read
         if accumulated:  # the device norm summed micro-steps' squares: recompute on the host
-            inv = self._inv_scale()
-            sumsq = sum(float(torch.linalg.vector_norm(b.grad(), dtype=torch.float32)
-                              * inv) ** 2 for b in live)
-        flag, sumsq = self.exchange.share_stats(flag, sumsq)  # so far this rank's shards
+            inv, sums = self._inv_scale(), [0.0, 0.0]
+            for b in live:
+                sums[b.layout.sharded] += float(torch.linalg.vector_norm(
+                    b.grad(), dtype=torch.float32) * inv) ** 2
+        flag, sumsq = self.exchange.share_stats(flag, *sums)  # so far this rank's shards
         self._final = (flag != 0.0, math.sqrt(sumsq) if math.isfinite(sumsq) else sumsq)
         return self._final
 
@@ -230,13 +236,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """Clip the coming step's gradient to ``max_norm`` (torch's rule: scale by
         ``min(1, max_norm / (norm + 1e-6))``); return its unscaled global norm."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
-        if error_if_nonfinite:
-            raise ValueError("clip_grad_norm_: error_if_nonfinite=True is not supported (fp16 "
-                             "overflow skips the step instead)")
-        if not float(max_norm) >= 0.0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
+        check_clip_args(max_norm, norm_type, error_if_nonfinite)
         self._clip = float(max_norm)
         return torch.tensor(self._finalize()[1])
 

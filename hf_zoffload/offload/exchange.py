@@ -3,26 +3,31 @@
 The engine holds one exchange and never asks which. `LocalExchange` is one process: a
 bucket's grads are checked and copied to the host whole, and its new params uploaded.
 `partitioned.PartitionedExchange` is data parallelism (ZeRO-2 partitioning: reduce-scatter,
-all-gather). Tensor parallelism will be a third. The interface, in the order a step calls it:
+all-gather). `tensor_parallel.TensorParallelExchange` wraps either for DTensor params (each
+rank's buckets hold its local shards). The interface, in the order a step calls it:
 
 - ``rank``, ``world``: which shard of every bucket this rank holds (layout.py);
   ``initial_values(layout)``: the values every rank starts from (None: the params' own);
-  ``attach(buckets, check, pool)`` once the buckets exist (``check(buf)`` runs the inf/nan
-  and squared-norm kernel on a buffer about to leave for the host; ``pool`` is the engine's
-  `host.HostPool`, where host buffers that copies touch come from).
+  ``attach(buckets, check, pool)`` once the buckets exist (``check(buf, bucket)`` runs the
+  inf/nan and squared-norm kernel on a buffer of ``bucket`` about to leave for the host;
+  ``pool`` is the engine's `host.HostPool`, where host buffers that copies touch come from).
 - ``begin_backward()`` at the first gradient of a backward; ``open(b)`` gives the bucket a
   device buffer (``b.window.pending``) its hooks write into; ``flush(b)`` sends a complete
   one on its way; ``end_backward(ended)`` after every bucket of a backward is flushed.
 - ``end_window()`` before a step reads the window's grads; ``complete()`` finishes whatever
   is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag,
-  sumsq)`` makes the overflow flag, the squared norm and which params got a gradient the
-  same on every rank.
+  sumsq, sharded)`` makes the overflow flag, the squared norm (``sumsq`` of whole params'
+  buckets, ``sharded`` of tensor-parallel shards' buckets) and which params got a gradient
+  the same on every rank.
 - ``publish(b, src)`` uploads a bucket's new params after its CPU-Adam from host buffer
   ``src`` (`Bucket.out`; None: written into the params in place already);
   ``finish_publish()`` after the last one.
 - ``gather(b, shards, to)``: each fp32 host shard of ``shards`` (this rank's part of the
   bucket: master, decoded moments) as the whole bucket on rank ``to`` (None elsewhere), for
-  checkpoints and the full-precision weights.
+  checkpoints and the full-precision weights; ``whole(parts)`` then makes each (slot, [flat
+  local tensors]) of ``parts`` whole params (a collective with tensor parallelism),
+  ``receives(to)`` says whether this rank gets the result, ``local_part(slot, t)`` is the inverse of
+  ``whole``: this rank's part of a whole tensor, flat (no collective).
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ from __future__ import annotations
 import torch
 
 from .state import Bucket
+
+
+def whole_params(parts: list) -> list:
+    """(slot, [flat tensors]) -> [tensors shaped as the param], where each param is whole
+    on this rank (one process, data parallelism)."""
+    return [[t.view(s.param.shape) for t in ts] for s, ts in parts]
+
+
+def local_flat(s, t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of whole tensor ``t`` of slot ``s``'s param, flat: all of it."""
+    return t.reshape(-1)
 
 
 class LocalExchange:
@@ -60,7 +76,7 @@ class LocalExchange:
 
     def flush(self, b: Bucket) -> None:
         buf = b.window.take_pending()
-        self.check(buf)
+        self.check(buf, b)
         self.copier.to_host(b.layout.index, b.state.grads.grad16, buf)
         b.window.landed += 1
 
@@ -76,8 +92,8 @@ class LocalExchange:
     def reset(self) -> None:
         pass
 
-    def share_stats(self, flag: float, sumsq: float) -> tuple[float, float]:
-        return flag, sumsq
+    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
+        return flag, sumsq + sharded
 
     def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         if src is not None:  # else the CPU-Adam wrote the params in place already
@@ -88,3 +104,10 @@ class LocalExchange:
 
     def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
         return list(shards)
+
+    whole = staticmethod(whole_params)
+    local_part = staticmethod(local_flat)
+
+    def receives(self, to: int) -> bool:
+        return True
+

@@ -16,13 +16,13 @@ multiple of the world size N and cut into N contiguous shards; rank r holds elem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..ops.cpu_adam import check_hyper
 from ..ops.moments import check_state_dtype, ratio_cap
-from .support import check_params
+from .support import check_params, is_sharded, local
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,12 +33,18 @@ class Slot:
     index: int  # position in the optimizer's param order (torch's state_dict key)
     group: int  # index of its param group
     offset: int  # first element in the bucket's flat layout
-    numel: int
+    numel: int  # of its local tensor (a DTensor's shard on this rank)
+    sharded: bool = False  # a tensor-parallel shard: its elements differ between TP ranks
+
+    def local(self) -> torch.Tensor:
+        """The tensor the engine trains: the param, or a DTensor's local shard (support.py)."""
+        return local(self.param)
 
     def flat(self) -> torch.Tensor:
-        """The param as a 1-D view of its own storage (writes reach the param). The engine
-        made it contiguous; `view` raises rather than silently copying if that changed."""
-        return self.param.detach().view(-1)
+        """The param (its local tensor) as a 1-D view of its own storage (writes reach the
+        param). The engine made it contiguous; `view` raises rather than silently copying if
+        that changed."""
+        return local(self.param).view(-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +57,7 @@ class BucketLayout:
     shard: int
     lo: int
     hi: int
+    sharded: bool = False  # its slots are tensor-parallel shards (never mixed with others)
 
     def pieces(self, lo: int, hi: int):
         """(slot, i, j) for each slot overlapping bucket elements [lo, hi): the slot's
@@ -131,7 +138,7 @@ def collect_slots(param_groups, *, order=None, state_dtype: str = "fp32") -> lis
                     raise TypeError(f"param {index} (group {gi}) has dtype {p.dtype}; "
                                     "only floating-point params can be trained")
                 devices.add(p.device)
-                slots.append(Slot(p, index, gi, 0, p.numel()))
+                slots.append(Slot(p, index, gi, 0, local(p).numel(), is_sharded(p)))
             index += 1
     if not slots:
         raise ValueError("ZeroOffloadOptimizer got no trainable parameter "
@@ -164,7 +171,7 @@ def build_layouts(slots: list[Slot], *, bucket_numel: int, rank: int = 0,
     current: list[Slot] = []
     size = 0
     for slot in reversed(slots):
-        if current and size + slot.numel > bucket_numel:
+        if current and (size + slot.numel > bucket_numel or slot.sharded != current[0].sharded):
             groups.append(current)
             current, size = [], 0
         current.append(slot)
@@ -176,12 +183,13 @@ def build_layouts(slots: list[Slot], *, bucket_numel: int, rank: int = 0,
         placed, offset = [], 0
         for s in sorted(members, key=lambda s: s.group):  # stable: keeps backward order
             offset = -(-offset // align) * align
-            placed.append(Slot(s.param, s.index, s.group, offset, s.numel))
+            placed.append(replace(s, offset=offset))
             offset += s.numel
         shard = -(-offset // world)
         shard = -(-shard // align) * align
         start = rank * shard
         out.append(BucketLayout(index=i, slots=tuple(placed), numel=offset,
                                 padded=shard * world, start=start, shard=shard,
-                                lo=min(start, offset), hi=min(start + shard, offset)))
+                                lo=min(start, offset), hi=min(start + shard, offset),
+                                sharded=members[0].sharded))
     return out

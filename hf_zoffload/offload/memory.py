@@ -134,8 +134,8 @@ def engine_report(opt) -> dict:
     on_cuda = opt.device.type == "cuda"
     largest = max(b.layout.padded for b in opt.buckets) * w
     # each trainable param has its own storage (no flat bucket buffer holds them)
-    trained = sum(s.param.numel() * s.param.element_size() for b in opt.buckets
-                  for s in b.layout.slots)
+    trained = sum(s.numel * s.param.element_size() for b in opt.buckets
+                  for s in b.layout.slots)  # local tensors: a DTensor's shard on this rank
     # unreduced micro-steps: host memory behind device buffers on CUDA; on the CPU the very
     # buffers backward writes, so counted as the device's gradient buckets
     if on_cuda:

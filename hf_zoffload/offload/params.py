@@ -42,12 +42,15 @@ class ParamWatch:
 
     def note_written(self) -> None:
         """After the engine wrote the params (uploads, a loaded checkpoint)."""
-        self._seen = {s.index: (s.param._version, s.param.data_ptr())
-                      for s in _slots(self.buckets)}
+        self._seen = {s.index: self._mark(s) for s in _slots(self.buckets)}
+
+    @staticmethod
+    def _mark(s):  # the local tensor: a DTensor wrapper has no storage of its own
+        t = s.local()
+        return t._version, t.data_ptr()
 
     def edited(self) -> set[int]:
-        return {s.index for s in _slots(self.buckets)
-                if (s.param._version, s.param.data_ptr()) != self._seen[s.index]}
+        return {s.index for s in _slots(self.buckets) if self._mark(s) != self._seen[s.index]}
 
     def adopt_edits(self, *, update_in_flight: bool) -> None:
         """Edited params' values become their masters."""
@@ -63,6 +66,6 @@ class ParamWatch:
             for s in b.layout.slots:
                 if s.index in edited:
                     own, mine = b.layout.owned(s)
-                    new = s.param.detach().reshape(-1)[mine]
+                    new = s.flat()[mine]
                     b.state.master[own].copy_(new)
         self.note_written()

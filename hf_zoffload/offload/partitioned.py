@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import Collectives, resolve_group, wants_sync
-from .exchange import LocalExchange
+from .exchange import LocalExchange, local_flat, whole_params
 from .host import HostPool
 from .state import Bucket
 
@@ -93,7 +93,7 @@ class PartitionedExchange:
         and buffers are left to the caller."""
         flat = torch.zeros(layout.padded, dtype=torch.float32, device=self.coll.device)
         for s in layout.slots:
-            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            flat[s.offset:s.offset + s.numel].copy_(s.local().reshape(-1))
         self.coll.broadcast_from_first(flat, f"broadcast of bucket {layout.index}'s initial "
                                              "params")
         return flat
@@ -173,7 +173,7 @@ class PartitionedExchange:
         idx = r.bucket.layout.index
         with self.coll.guard(f"reduce-scatter of bucket {idx}"), self.copier.side():
             r.work.wait()  # CUDA: the side stream (not the host) waits for the collective
-            self.check(r.out)
+            self.check(r.out, r.bucket)
         self.copier.to_host(idx, r.landing, r.out, r.inp)
 
     def _complete(self, b: Bucket | None = None) -> None:
@@ -216,12 +216,12 @@ class PartitionedExchange:
             u.count = 0
         self._unsynced = False
 
-    def share_stats(self, flag: float, sumsq: float) -> tuple[float, float]:
+    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
         """The step's one small collective: the overflow flag and the sum of squares over
         all shards, and which params got a grad on any rank (those step, on every rank)."""
         seen = [float(x) for b in self.buckets for x in b.window.present]
         flag, sumsq, *seen = self.coll.all_reduce_sum(
-            [flag, sumsq, *seen], "all-reduce of the overflow flag and gradient norm")
+            [flag, sumsq + sharded, *seen], "all-reduce of the overflow flag and gradient norm")
         it = iter(seen)
         for b in self.buckets:
             b.window.present = [next(it) > 0 for _ in b.layout.slots]
@@ -272,6 +272,12 @@ class PartitionedExchange:
         parts = self.coll.gather_to(local, to, f"gather of bucket {b.layout.index}'s "
                                                f"optimizer state to rank {to}")
         return list(torch.cat(parts, dim=1).cpu()) if parts is not None else None
+
+    whole = staticmethod(whole_params)
+    local_part = staticmethod(local_flat)
+
+    def receives(self, to: int) -> bool:
+        return self.rank == to
 
 
 def make_exchange(process_group, *, device, copier, dtype, engine_sync):

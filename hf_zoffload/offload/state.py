@@ -21,6 +21,7 @@ import torch
 from ..ops.moments import QBLOCK, STATE_DTYPES, decode_moments, encode_moments, n_blocks
 from .host import HostPool
 from .layout import BucketLayout
+from .support import set_local
 
 
 @dataclass(eq=False)
@@ -92,17 +93,18 @@ def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, poo
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
-    or shared a storage with another param before. Moments start at zero (all-zero codes
-    and scales are zero moments in every ``state_dtype``)."""
+    or shared a storage with another param before (a DTensor param gets a new local tensor,
+    support.set_local). Moments start at zero (all-zero codes and scales are zero moments in
+    every ``state_dtype``)."""
     master = torch.zeros(layout.shard, dtype=torch.float32)  # zeros: the padding
     for s in layout.slots:
-        src = s.param.detach().reshape(-1) if flat is None else \
-            flat[s.offset:s.offset + s.numel]
+        shape = s.local().shape
+        src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]
         own, mine = layout.owned(s)
         master[own].copy_(src[mine])  # from the original precision
-        new = torch.empty(s.param.shape, dtype=dtype, device=device)
+        new = torch.empty(shape, dtype=dtype, device=device)
         new.view(-1).copy_(src)
-        s.param.data = new
+        set_local(s.param, new)
     kind = STATE_DTYPES[state_dtype]
     state = HostState(master=master,
                       exp_avg=torch.zeros(layout.shard, dtype=kind),

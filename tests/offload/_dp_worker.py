@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import socket
@@ -246,13 +247,22 @@ def _entry(rank, world, port, fn_name, kwargs, out_dir, timeout_s):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        result = globals()[fn_name](rank, world, **kwargs)
+        result = _resolve(fn_name)(rank, world, **kwargs)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as fh:
             fh.write(traceback.format_exc())
         raise
+
+
+def _resolve(fn_name: str):
+    """A function of this module by name, or ``"module:function"`` of another (the
+    tensor-parallel runs live in tests/offload/_tp_worker.py)."""
+    if ":" not in fn_name:
+        return globals()[fn_name]
+    module, name = fn_name.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def free_port() -> int:

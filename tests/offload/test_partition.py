@@ -228,15 +228,16 @@ def _compare_partitioned_with_single(group, device):
             assert torch.equal(v, sd2["state"][i][k]), (i, k)
 
 
-def test_tensor_parallel_params_are_refused_before_any_change(group):
+def test_partial_dtensor_params_are_refused_before_any_change(group):
+    # tensor parallelism itself is supported (tests/offload/test_tensor_parallel.py)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
     mesh = init_device_mesh("cpu", (1,))
     plain = torch.nn.Parameter(torch.randn(3))
-    sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
-    with pytest.raises(ValueError, match="tensor parallelism.*not supported yet"):
-        ZeroOffloadOptimizer([plain, sharded], plugin=ZeroOffloadPlugin(compute_dtype="bf16"))
+    partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+    with pytest.raises(ValueError, match="placement Partial.*not supported"):
+        ZeroOffloadOptimizer([plain, partial], plugin=ZeroOffloadPlugin(compute_dtype="bf16"))
     assert plain.dtype == torch.float32
 
 
