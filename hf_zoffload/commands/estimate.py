@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from ..config import parse_quantity, parse_size
 
@@ -49,6 +50,10 @@ def add_parser(subparsers):
     p.add_argument("--state_dtype", default=None, choices=["fp32", "bf16", "int8"],
                    help="how the Adam moments are stored on the host (default: the effective "
                         "ZeRO-Offload config); the host verdict is printed for every mode")
+    p.add_argument("--tp_size", type=int, default=1,
+                   help="tensor-parallel size: the params the model's tp plan shards count "
+                        "1/tp per rank (needs --model or --model_type); --num_gpus / tp_size "
+                        "ranks share each shard as data parallel")
     p.add_argument("--grad_accumulation", action="store_true",
                    help="count the fp32 accumulation buffer of micro-step accumulation")
     p.add_argument("--json", action="store_true", help="print the figures as json, in bytes")
@@ -82,18 +87,47 @@ def _model_config(args):
     return cfg
 
 
-def count_params(cfg) -> int:
-    """Trainable parameters of the model a config describes, built on the meta device (no
-    memory, about 1 s for a 7B llama); tied weights count once."""
+def _meta_model(cfg):
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(cfg)
+            return AutoModelForCausalLM.from_config(cfg)
         except ValueError:  # not a causal LM (bert, t5, ...): count the base model
-            model = AutoModel.from_config(cfg)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+            return AutoModel.from_config(cfg)
+
+
+def count_params(cfg) -> int:
+    """Trainable parameters of the model a config describes, built on the meta device (no
+    memory, about 1 s for a 7B llama); tied weights count once."""
+    return sum(p.numel() for p in _meta_model(cfg).parameters() if p.requires_grad)
+
+
+def split_params(cfg) -> tuple[int, int]:
+    """(sharded, replicated) trainable parameters under the model's own tensor-parallel plan
+    (``model.tp_plan``, what ``from_pretrained(tp_plan="auto")`` applies: module name
+    patterns -> styles): a colwise module's weight and bias and a rowwise one's weight
+    (embeddings included) are sharded; everything else (norms, rowwise biases, modules the
+    plan does not name) is replicated on every rank."""
+    model = _meta_model(cfg)
+    plan = getattr(model, "tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"--tp_size: the {cfg.model_type!r} model has no tensor-parallel "
+                         "plan (tp_plan), so nothing would be sharded")
+    rules = [(re.compile("^" + re.escape(pat).replace(r"\*", r"[^.]+") + "$"), style)
+             for pat, style in plan.items()]
+    sharded = replicated = 0
+    for name, p in model.named_parameters():  # tied weights once, as parameters()
+        if not p.requires_grad:
+            continue
+        module, _, kind = name.rpartition(".")
+        style = next((st for rx, st in rules if rx.match(module)), "")
+        if "colwise" in style or ("rowwise" in style and kind == "weight"):
+            sharded += p.numel()
+        else:
+            replicated += p.numel()
+    return sharded, replicated
 
 
 def _fit(need: int, have: int | None) -> dict | None:
@@ -113,14 +147,26 @@ def compute(args) -> dict:
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if args.gpu_memory else None
     host = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
     plugin = ZeroOffloadPlugin.from_sources(**overrides)
-    n = parse_count(args.params) if args.params else count_params(_model_config(args))
-    if args.num_gpus < 1:
-        raise ValueError(f"--num_gpus must be >= 1, got {args.num_gpus}")
+    if args.num_gpus < 1 or args.tp_size < 1 or args.num_gpus % args.tp_size:
+        raise ValueError(f"--num_gpus ({args.num_gpus}) must be a positive multiple of "
+                         f"--tp_size ({args.tp_size})")
+    tp = args.tp_size
+    if tp > 1 and args.params:
+        raise ValueError("--tp_size needs --model or --model_type: which params are sharded "
+                         "comes from the model's tensor-parallel plan")
+    split = None
+    if tp > 1:
+        sharded, replicated = split_params(_model_config(args))
+        n = -(-sharded // tp) + replicated  # this rank's local elements
+        split = {"sharded": sharded, "replicated": replicated, "per_rank": n}
+    else:
+        n = parse_count(args.params) if args.params else count_params(_model_config(args))
     frozen = parse_count(args.frozen_params)
 
     def report_for(state_dtype):
         return estimate(n, compute_dtype=plugin.compute_dtype,
-                        bucket_size_mb=plugin.bucket_size_mb, world_size=args.num_gpus,
+                        bucket_size_mb=plugin.bucket_size_mb,
+                        world_size=args.num_gpus // tp,
                         n_frozen=frozen, grad_accumulation=args.grad_accumulation,
                         delayed_update=plugin.delayed_update, pinned=plugin.pin_memory,
                         state_dtype=state_dtype)
@@ -130,7 +176,8 @@ def compute(args) -> dict:
     host_all = report["host_total"] * args.num_gpus
     modes = {m: report_for(m)["host_total"] * args.num_gpus for m in ("fp32", "bf16", "int8")}
     return {
-        "report": report, "num_gpus": args.num_gpus, "host_total_all_ranks": host_all,
+        "report": report, "num_gpus": args.num_gpus, "tp_size": tp, "tp_split": split,
+        "host_total_all_ranks": host_all,
         "fits": {"gpu_zero_offload": _fit(report["device_total"], gpu),
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
@@ -145,6 +192,12 @@ def format_fits(result: dict) -> str:
     n = result["num_gpus"]
     lines = [f"  host, all {n} processes together: {human(result['host_total_all_ranks'])}"] \
         if n > 1 else []
+    split = result.get("tp_split")
+    if split:
+        lines.append(f"tensor parallel {result['tp_size']} x data parallel "
+                     f"{n // result['tp_size']}: {split['sharded']:,} params sharded by the "
+                     f"model's tp plan, {split['replicated']:,} replicated; each rank holds "
+                     f"{split['per_rank']:,} (the figures above are per rank)")
     labels = {"gpu_zero_offload": "GPU, ZeRO-Offload", "gpu_plain_adamw": "GPU, plain AMP AdamW",
               "host_zero_offload": "host, ZeRO-Offload"}
     fits = {k: v for k, v in result["fits"].items() if v}

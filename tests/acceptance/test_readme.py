@@ -33,8 +33,10 @@ RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
            ("bash", "scripts/run_clm.py"): "test_run_clm_snippet",
            ("diff", "prepare_zero_offload"): "test_accelerate_snippet",
            ("bash", "hf-zoffload config"): "test_commands_snippet",
-           ("python", "ZeroOffloadOptimizer("): "test_plain_loop_snippet",
-           ("text", "hf-zoffload estimate"): "test_estimate_snippet"}
+           ("python", "model_fp32.pt"): "test_plain_loop_snippet",
+           ("python", "parallelize_module("): "test_tensor_parallel_snippet",
+           ("text", "--params 7B"): "test_estimate_snippet",
+           ("text", "--tp_size 8"): "test_estimate_tp_snippet"}
 
 
 def test_every_snippet_has_a_runner():
@@ -91,7 +93,7 @@ def test_plain_loop_snippet(tmp_path, monkeypatch):
     batches = [{"input_ids": b["input_ids"][None], "labels": b["labels"][None]}
                for b in TokenBlocks(3, vocab=VOCAB, seq=16)]
     scope = {"model": tiny_gpt2(), "loader": batches}
-    exec(_find("python", "ZeroOffloadOptimizer("), scope)
+    exec(_find("python", "model_fp32.pt"), scope)
     saved = torch.load(tmp_path / "model_fp32.pt", weights_only=True)
     assert saved["transformer.wte.weight"].dtype == torch.float32
     assert scope["opt"].applied_steps == 3
@@ -155,9 +157,50 @@ def test_commands_snippet(tmp_path):
             assert "default_config_zoffload.yaml; enabled: True" in proc.stdout
 
 
+def test_tensor_parallel_snippet(tmp_path):
+    """Run as written on a one-process gloo group, "cuda" read as "cpu" (no GPU here; the
+    tensor-parallel runs themselves are tests/offload/test_tensor_parallel.py)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    code = _find("python", "parallelize_module(").replace('"cuda"', '"cpu"')
+    from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
+        scope = dict(tp=1, model=model, plan={"0": ColwiseParallel(), "2": RowwiseParallel()},
+                     init_device_mesh=init_device_mesh, parallelize_module=parallelize_module,
+                     ZeroOffloadOptimizer=ZeroOffloadOptimizer,
+                     ZeroOffloadPlugin=ZeroOffloadPlugin)
+        exec(code, scope)
+        opt = scope["opt"]
+        assert isinstance(model[0].weight, DTensor) and model[0].weight.dtype == torch.bfloat16
+        model(torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+        before = model[2].weight.full_tensor().clone()
+        opt.step()
+        assert not torch.equal(model[2].weight.full_tensor(), before)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_estimate_snippet(tmp_path):
+    _run_estimate_snippet(tmp_path, "--params 7B")
+
+
+def test_estimate_tp_snippet(tmp_path):
+    _run_estimate_snippet(tmp_path, "--tp_size 8")
+
+
+def _run_estimate_snippet(tmp_path, needle):
     """The command as shown; every line shown after "..." is in its output."""
-    code = _find("text", "hf-zoffload estimate")
+    code = _find("text", needle)
     command, shown = code.splitlines()[0].removeprefix("$ "), code.split("...\n", 1)[1]
     out = subprocess.run(command.split(), env=_env(tmp_path), capture_output=True, text=True,
                          timeout=120)

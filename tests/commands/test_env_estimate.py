@@ -213,3 +213,25 @@ def test_gpu_memory_without_a_unit_is_refused(capsys):
     out = capsys.readouterr().out
     assert out.startswith("hf-zoffload estimate: --gpu_memory '24': expected a number with a "
                           "unit") and "24GiB" in out
+
+
+def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
+    """A tiny Llama under its own tp plan: the embedding, lm_head and every projection are
+    sharded, the norms replicated; each of tp ranks holds sharded / tp + replicated."""
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")
+    tiny = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+            "num_key_value_heads=4,head_dim=16,vocab_size=1000")
+    # embed 1000*64 + lm_head 1000*64 + 2 layers * (4 * 64*64 + 3 * 64*128)
+    sharded = 64_000 + 64_000 + 2 * (4 * 4096 + 3 * 8192)
+    replicated = 2 * 2 * 64 + 64  # two norms per layer, the final norm
+    r = _json(capsys, "--model_type", "llama", "--config_overrides", tiny, "--tp_size", "2",
+              "--num_gpus", "4", "--compute_dtype", "bf16")
+    per_rank = sharded // 2 + replicated
+    assert r["tp_split"] == {"sharded": sharded, "replicated": replicated,
+                             "per_rank": per_rank}
+    assert r["report"]["device"]["params"] == 2 * per_rank
+    assert r["report"]["host"]["master"] == 4 * per_rank // 2  # data parallel 2 shares it
+    assert main(["estimate", "--params", "7B", "--tp_size", "2", "--num_gpus", "2"]) == 2
+    assert "needs --model or --model_type" in capsys.readouterr().out
+    assert main(["estimate", "--model_type", "llama", "--tp_size", "3", "--num_gpus", "4"]) == 2
+    assert "positive multiple of --tp_size" in capsys.readouterr().out
