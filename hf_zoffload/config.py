@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from .sidecar import TOP_LEVEL_KEYS, YAML_SECTION, load_sidecar
+from .units import SIZE_UNITS, parse_quantity, parse_size  # noqa: F401 (re-exported)
 
 ENV_PREFIX = "HF_ZOFFLOAD_"
 CONFIG_ENV = "HF_ZOFFLOAD_CONFIG"
 ENABLED_ENV = "HF_ZOFFLOAD_ENABLED"
-YAML_SECTION = "zoffload"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
@@ -29,39 +30,16 @@ SAVE_DTYPES = ("fp32", "compute")
 NOT_SETTINGS = ("ENABLED", "CONFIG", "PORTABLE_BUILD", "NO_OPENMP")
 
 
-def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False, size=False):
+def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False, maximum=None,
+          exclusive_max=False, size=False):
     meta = {"help": help, "choices": choices, "minimum": minimum, "exclusive_min": exclusive_min,
-            "size": size}
+            "maximum": maximum, "exclusive_max": exclusive_max, "size": size}
     return field(default=default, metadata=meta)
 
 
-# Decimal units are SI (24GB = 24e9 B); binary ones and bare letters are powers of 1024
-# (24G = 24GiB), as nvidia-smi's MiB. A card sold as "24GB" has 24 GiB: pass 24GiB.
-SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_NUMBER = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
-
-
-def parse_quantity(text, units: dict, what: str, example: str) -> int:
-    """``text`` as a number with one of ``units`` (a dict unit -> multiplier; "" allows a
-    bare number), or one ValueError naming ``what`` and the units."""
-    m = _NUMBER.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in units:
-        need = "an optional unit" if "" in units else "a unit"
-        raise ValueError(f"{what} {text!r}: expected a number with {need}, one of "
-                         f"{', '.join(u for u in units if u)} (e.g. {example})")
-    return int(round(float(m.group(1).replace("_", "")) * units[unit]))
-
-
-def parse_size(text, what: str = "memory size", *, zero_ok: bool = False) -> int:
-    """'24GB' -> 24e9 bytes, '80GiB' / '80G' -> 80 * 2**30. A unit is required (a bare '24'
-    read as bytes made a 24 GiB card look like 24 bytes; guessing GiB would hide that), but
-    with ``zero_ok`` a bare 0 means "not set"."""
-    if zero_ok and str(text).strip() in ("0", "0.0"):
-        return 0
-    return parse_quantity(text, SIZE_UNITS, what, "24GiB, 80GB, 512MiB; B for bytes")
+# The loss scale is kept and applied as an fp32 number: above this it is inf, and every
+# step would overflow.
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -96,9 +74,11 @@ class ZeroOffloadPlugin:
     delayed_update_warmup_steps: int = _knob(
         40, "optimizer steps taken without delay before the delayed update starts.", minimum=0
     )
+    # The kernel takes the count as a C int (2**31 overflowed it at the first step, after the
+    # host state was allocated); 2**15 is far above any host's hardware threads.
     cpu_threads: int = _knob(
         0, "threads for the CPU-Adam; 0 uses the cores this process may run on divided by "
-        "the processes on this node (LOCAL_WORLD_SIZE).", minimum=0
+        "the processes on this node (LOCAL_WORLD_SIZE).", minimum=0, maximum=2**15
     )
     state_dtype: str = _knob(
         "fp32",
@@ -131,14 +111,16 @@ class ZeroOffloadPlugin:
         choices=KERNEL_BACKENDS,
     )
     init_scale: float = _knob(
-        2.0**16, "initial fp16 loss scale.", minimum=0.0, exclusive_min=True
+        2.0**16, "initial fp16 loss scale (at least min_scale).", minimum=0.0,
+        exclusive_min=True, maximum=FP32_MAX,
     )
     growth_factor: float = _knob(
         2.0, "fp16 loss scale multiplier after growth_interval clean steps (> 1).", minimum=1.0,
         exclusive_min=True,
     )
     backoff_factor: float = _knob(
-        0.5, "fp16 loss scale multiplier on back-off, in (0, 1).", minimum=0.0, exclusive_min=True
+        0.5, "fp16 loss scale multiplier on back-off, in (0, 1).", minimum=0.0, exclusive_min=True,
+        maximum=1.0, exclusive_max=True,
     )
     growth_interval: int = _knob(
         2000, "consecutive clean steps before the fp16 loss scale grows.", minimum=1
@@ -147,16 +129,17 @@ class ZeroOffloadPlugin:
         2, "overflowing steps accumulated before the fp16 loss scale backs off.", minimum=1
     )
     min_scale: float = _knob(
-        1.0, "floor of the fp16 loss scale.", minimum=0.0, exclusive_min=True
+        1.0, "floor of the fp16 loss scale.", minimum=0.0, exclusive_min=True, maximum=FP32_MAX
     )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f, getattr(self, f.name)))
-        if not self.backoff_factor < 1.0:
-            raise ValueError(
-                f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}"
-            )
+        # Checked here, not first by the loss scaler when the engine is built (inside the
+        # Trainer's train(), after the model was loaded and moved).
+        if self.min_scale > self.init_scale:
+            raise ValueError(f"ZeRO-Offload settings 'init_scale' {self.init_scale!r} and "
+                             f"'min_scale' {self.min_scale!r}: init_scale must be >= min_scale")
 
     @property
     def host_memory_limit_bytes(self) -> int:
@@ -286,17 +269,17 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
                 raise TypeError
             out = float(value)
             if not math.isfinite(out):
-                raise TypeError
+                raise TypeError  # inf and nan: no setting means anything by them
         else:
             out = str(value).strip().lower()
-            if meta["size"]:
-                parse_size(out, f"ZeRO-Offload setting {name!r}:", zero_ok=True)
+            if meta["size"]:  # the message shows the value as given, not lowercased
+                parse_size(str(value).strip(), f"ZeRO-Offload setting {name!r}:", zero_ok=True)
     except (TypeError, ValueError) as err:
         if meta["size"]:
             raise ValueError(str(err)) from None
         raise ValueError(
             f"ZeRO-Offload setting {name!r}: {value!r} is not a valid {kind}"
-            + (" (true/false)" if kind == "bool" else "")
+            + {"bool": " (true/false)", "float": " (a finite number)"}.get(kind, "")
         ) from None
     if meta["choices"] and out not in meta["choices"]:
         raise ValueError(
@@ -309,7 +292,25 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         raise ValueError(
             f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; must be {bound}"
         )
+    high = meta["maximum"]
+    if high is not None and (out > high or (meta["exclusive_max"] and out == high)):
+        bound = f"< {high}" if meta["exclusive_max"] else f"<= {high}"
+        raise ValueError(
+            f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; must be {bound}"
+        )
     return out
+
+
+def check_values(values: dict, where) -> None:
+    """Each of ``values`` valid for its setting, or one ValueError that starts with
+    ``where(name)`` (the variable, the file or the option that gave it): a merged plugin
+    could only say which setting is wrong, not who set it."""
+    _check_keys(values, "argument")  # the env's and the yaml's names are checked as read
+    for name, value in values.items():
+        try:
+            _coerce(_field(name), value)
+        except ValueError as err:
+            raise ValueError(f"{where(name)}: {err}") from None
 
 
 def _env_str(v: Any) -> str:
@@ -335,41 +336,23 @@ def env_values(environ=None) -> dict[str, str]:
     return out
 
 
-def load_sidecar(path: str, *, named_by: str = "config_file") -> dict:
-    """The sidecar yaml as a mapping. A missing file or broken YAML is one line naming the
-    file and who named it (``named_by``: e.g. ``HF_ZOFFLOAD_CONFIG``), not a traceback."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ValueError(f"{named_by}={path}: no such file (the ZeRO-Offload sidecar yaml; "
-                         "`hf-zoffload config` writes one)")
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"{path}: not valid YAML{where}: {what}") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping with a '{YAML_SECTION}:' section")
-    return data
-
-
 def read_yaml(path: str, *, named_by: str = "config_file") -> dict[str, Any]:
-    """The ``zoffload:`` section of a sidecar yaml; unknown keys raise ``ValueError``."""
+    """The ``zoffload:`` section of a sidecar yaml; unknown keys and bad values raise
+    ``ValueError`` naming the file."""
     data = load_sidecar(path, named_by=named_by)
-    extra = sorted(set(data) - {YAML_SECTION, "zero_offload"})
+    extra = sorted(set(data) - set(TOP_LEVEL_KEYS), key=str)
     if extra:
         raise ValueError(
             f"{path}: unknown top-level key(s) {', '.join(map(repr, extra))}; "
-            f"allowed: zero_offload, {YAML_SECTION}"
+            f"allowed: {', '.join(TOP_LEVEL_KEYS)}{closest(extra[0], TOP_LEVEL_KEYS)}"
         )
-    section = data.get(YAML_SECTION) or {}
+    section = data.get(YAML_SECTION)
+    section = {} if section is None else section  # `zoffload:` with nothing under it
     if not isinstance(section, dict):
         raise ValueError(f"{path}: '{YAML_SECTION}' must be a mapping")
     _check_keys(section, f"key in {path}")
+    # Values too, whoever reads the file: also when offload is off or only the switch is read.
+    check_values(section, lambda name: f"{path}: {name}")
     return dict(section)
 
 
@@ -385,7 +368,9 @@ def sourced_values(environ=None, config_file: str | None = None) -> tuple[dict[s
     if path:
         values.update(read_yaml(path, named_by="config_file" if config_file else CONFIG_ENV))
         where.append(path)
-    values.update(env_values(environ))
+    from_env = env_values(environ)
+    check_values(from_env, lambda name: f"{ENV_PREFIX}{name.upper()}={from_env[name]!r}")
+    values.update(from_env)
     return values, " / ".join(where + ["HF_ZOFFLOAD_* variables"])
 
 
@@ -406,7 +391,4 @@ def enabled_from_sources(*, default: bool, environ=None) -> bool:
     if not path:
         return default
     read_yaml(path, named_by=CONFIG_ENV)  # unknown keys, a missing file, bad YAML: one line
-    flag = load_sidecar(path, named_by=CONFIG_ENV).get("zero_offload", default)
-    if not isinstance(flag, bool):
-        raise ValueError(f"{path}: 'zero_offload' must be true or false, got {flag!r}")
-    return flag
+    return load_sidecar(path, named_by=CONFIG_ENV).get("zero_offload", default)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from hf_zoffload.config import CONFIG_ENV, ENABLED_ENV, ZeroOffloadPlugin, sourced_values
+from hf_zoffload.sidecar import check_path
 
 description = (
     "Run `accelerate launch` with the ZeRO-Offload settings of the sidecar yaml (beside "
@@ -70,15 +71,14 @@ def _strip_own(argv: list[str], n_script_tokens: int) -> list[str]:
 def find_sidecar(*, zoffload_config: str | None, config_file: str | None, environ) -> str | None:
     """The sidecar `launch` and `env` use: ``--zoffload_config``, else HF_ZOFFLOAD_CONFIG, else
     the one beside accelerate's config (``--config_file``, else accelerate's default file)
-    when it exists. A named file that does not exist is a ValueError naming who named it."""
+    when it exists. A named file that is missing, a directory or unreadable is a ValueError
+    naming who named it."""
     from hf_zoffload.commands.config import default_accelerate_config, sidecar_path
 
     for named_by, path in (("--zoffload_config", zoffload_config),
                            (CONFIG_ENV, environ.get(CONFIG_ENV))):
         if path:
-            if not os.path.isfile(path):
-                raise ValueError(f"{named_by}={path}: no such file (the ZeRO-Offload sidecar "
-                                 "yaml; `hf-zoffload config` writes one)")
+            check_path(path, named_by=named_by)  # missing, a directory, unreadable: one line
             return os.path.abspath(path)
     path = sidecar_path(config_file or default_accelerate_config())
     return path if os.path.isfile(path) else None

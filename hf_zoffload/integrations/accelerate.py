@@ -37,15 +37,18 @@ them): `prepare_optimizer` keeps an optimizer marked `_is_accelerate_prepared` a
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from accelerate.utils import DistributedType
 
-from ..config import ZeroOffloadPlugin, enabled_from_sources, sourced_values
+from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
 from . import core
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
+
+logger = logging.getLogger(__name__)
 
 
 def zero_offload_enabled(*, environ=None) -> bool:
@@ -164,18 +167,24 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     """
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     models = [m for m in objects if isinstance(m, torch.nn.Module)]
+    if plugin is not None and settings:
+        raise TypeError("pass either plugin= or ZeRO-Offload settings as keywords, not both")
+    # Unknown names and bad values fail whether offload is on or off, before anything runs.
+    check_values(settings, lambda name: f"prepare_zero_offload({name}=...)")
     if enabled is None:
         enabled = zero_offload_enabled()
     if not enabled:
         if any(getattr(o, "fused_loss_scaling", False) for o in optimizers):
             raise ValueError("ZeRO-Offload is disabled (HF_ZOFFLOAD_ENABLED / zero_offload: "
                              "false) but a ZeroOffloadOptimizer was built; pass a torch AdamW")
+        if settings or plugin is not None:  # a script's settings, launched with offload off
+            logger.warning("ZeRO-Offload is off (enabled=False, HF_ZOFFLOAD_ENABLED or the "
+                           "sidecar's zero_offload: false): the settings passed to "
+                           "prepare_zero_offload are not used")
         return accelerator.prepare(*objects)
     if len(optimizers) != 1:
         raise ValueError(f"prepare_zero_offload needs exactly one optimizer among the objects, "
                          f"got {len(optimizers)}")
-    if plugin is not None and settings:
-        raise TypeError("pass either plugin= or ZeRO-Offload settings as keywords, not both")
     _check_accelerator(accelerator)
     old = optimizers[0]
     if isinstance(old, ZeroOffloadOptimizer):

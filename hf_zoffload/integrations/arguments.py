@@ -7,19 +7,34 @@ The compute dtype comes from the Trainer's own ``--fp16`` / ``--bf16`` (else acc
 mixed_precision as `accelerate launch` exports it, else fp32), the clip norm from
 ``--max_grad_norm``; every other setting from ``--zero_offload_<name>`` > ``HF_ZOFFLOAD_*`` >
 the sidecar yaml > the default.
+
+Nothing given is ignored: with offload on, Trainer options the offload path has no use for
+raise (`UNUSED`, `_check_args`), and a Trainer that is not a ZeroOffloadTrainer refuses these
+arguments (`_get_process_log_level`); with offload off, ``--zero_offload_<name>`` is refused
+or, when offload was turned off on purpose, logged as unused (`_check_off`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
+import sys
 from dataclasses import field, make_dataclass
 
 import torch
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
-from ..config import ZeroOffloadPlugin, closest, enabled_from_sources, sourced_values
+from ..config import (
+    ZeroOffloadPlugin,
+    check_values,
+    closest,
+    enabled_from_sources,
+    sourced_values,
+)
+from ..ops.cpu_adam import check_hyper
+from ..ops.moments import ratio_cap
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +44,22 @@ __all__ = ["ZeroOffloadTrainingArguments", "ALLOWED_OPTIMS", "check_argv"]
 # these are the Trainer optimizers with exactly that update rule.
 ALLOWED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+# A Trainer class that builds the offload engine from these arguments says so with this class
+# attribute (ZeroOffloadTrainer); any other Trainer would train with them and no offload.
+OFFLOADS_ATTR = "builds_zero_offload_engine"
+_TRAINER_INIT = inspect.unwrap(Trainer.__init__).__code__
+# Arguments the offload path has no use for, each with why; set to anything, they raise
+# (the stock Trainer reads them, so a user who sets one expects an effect).
+UNUSED = {
+    "optim_args": "the offloaded AdamW takes its hyperparameters from --learning_rate, "
+                  "--adam_beta1, --adam_beta2, --adam_epsilon and --weight_decay",
+    "optim_target_modules": "it selects modules for GaLore / APOLLO optimizers; the offloaded "
+                            "AdamW trains every param with requires_grad",
+    **{name: "the model is not wrapped in DDP (the engine reduces the gradients itself, in "
+             "buckets of --zero_offload_bucket_size_mb)" for name in (
+        "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+        "ddp_static_graph")},
+}
 
 
 def _argument_fields() -> list[tuple]:
@@ -81,13 +112,31 @@ def _check_args(self) -> None:
     if optim not in ALLOWED_OPTIMS:
         raise ValueError(f"--zero_offload runs AdamW on the host, so --optim {optim!r} cannot "
                          f"be used with it; allowed: {', '.join(ALLOWED_OPTIMS)}")
+    for name, why in UNUSED.items():
+        if getattr(self, name) is not None:
+            raise ValueError(f"--{name} {getattr(self, name)!r} has no effect with "
+                             f"--zero_offload: {why}. Drop it")
+    # The stock Trainer clips only when max_grad_norm > 0, so a negative or missing value
+    # turned clipping off without a word; the engine's own setting allows 0 (off) and up.
+    if self.max_grad_norm is None or not self.max_grad_norm >= 0:
+        raise ValueError(f"--max_grad_norm {self.max_grad_norm!r} is not allowed with "
+                         "--zero_offload; allowed: a number >= 0 (0 turns clipping off)")
+    # The engine checks these again when it is built, inside train(); here they fail before
+    # the model is loaded, naming the options.
+    try:
+        check_hyper(self.learning_rate, (self.adam_beta1, self.adam_beta2), self.adam_epsilon,
+                    self.weight_decay, where="--zero_offload's AdamW",
+                    beta_names=("--adam_beta1", "--adam_beta2"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{err} (lr: --learning_rate, eps: --adam_epsilon, weight_decay: "
+                         "--weight_decay)") from None
 
 
 def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
     """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
     defaults, with the compute dtype and the clip norm taken from the Trainer's own options."""
-    given = {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
-             if getattr(self, f"zero_offload_{n}") is not None}
+    given = _given(self)
+    check_values(given, lambda name: f"--zero_offload_{name}")  # naming the option
     sourced, where = sourced_values()
 
     flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
@@ -121,16 +170,44 @@ def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
     return ZeroOffloadPlugin.from_sources(**given)
 
 
+def _given(self) -> dict:
+    """The ``--zero_offload_<name>`` arguments that were set."""
+    return {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
+            if getattr(self, f"zero_offload_{n}") is not None}
+
+
+def _check_off(self, said_off: bool) -> None:
+    """``--zero_offload_<name>`` with offload off: a bad value fails anyway; with offload off
+    by default (nobody turned it on or off) the settings would be ignored without a word, most
+    likely a forgotten --zero_offload: refused. Turned off on purpose (--zero_offload false,
+    HF_ZOFFLOAD_ENABLED=false, the sidecar's zero_offload: false: a script that sets its
+    offload settings in code, launched with offload off), they are unused: said once."""
+    given = _given(self)
+    if not given:
+        return
+    check_values(given, lambda name: f"--zero_offload_{name}")
+    names = ", ".join(f"--zero_offload_{n}" for n in given)
+    if not said_off:
+        raise ValueError(f"{names} set, but ZeRO-Offload is off: add --zero_offload (or "
+                         "zero_offload=True) to use it, or drop the setting")
+    logger.warning("ZeRO-Offload is off (--zero_offload false, HF_ZOFFLOAD_ENABLED or the "
+                   "sidecar's zero_offload: false): %s not used", names)
+
+
 def _post_init(self) -> None:
     # Checked with or without offload: TrainingArguments rejects the pair too, but on a
     # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
     if self.fp16 and self.bf16:
         raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
                          "becomes the compute dtype), or neither for fp32")
+    said_off = self.zero_offload is False
     if self.zero_offload is None:
-        self.zero_offload = enabled_from_sources(default=False)
+        enabled = enabled_from_sources(default=None)  # None: no source says on or off
+        said_off, self.zero_offload = enabled is False, bool(enabled)
     if self.zero_offload:
         _check_args(self)
+    else:
+        _check_off(self, said_off)
     TrainingArguments.__post_init__(self)
     if self.zero_offload:
         plugin = self.zero_offload_plugin()  # bad values fail here, before any model work
@@ -138,6 +215,33 @@ def _post_init(self) -> None:
         # the distributed state from inside the arguments).
         cuda = torch.cuda.is_available() and not self.use_cpu
         plugin.check_device("cuda" if cuda else "cpu")
+        if plugin.state_dtype == "int8":  # the engine would refuse it inside train()
+            try:
+                ratio_cap(self.adam_beta1, self.adam_beta2)
+            except ValueError as err:
+                raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 "
+                                 f"{self.adam_beta2} with --zero_offload_state_dtype int8: "
+                                 f"{err}") from None
+
+
+def _get_process_log_level(self) -> int:
+    # transformers.Trainer.__init__ calls this first thing, before it touches the model; the
+    # frame check keeps it an ordinary method for everyone else (scripts call it to set up
+    # their logging).
+    caller = sys._getframe(1)
+    if self.zero_offload and caller.f_code is _TRAINER_INIT:
+        trainer = caller.f_locals.get("self")
+        if not getattr(trainer, OFFLOADS_ATTR, False):
+            # Refused, not offloaded: offload is more than an optimizer swap (the clip route,
+            # the fp16 scaler, the master weights saved, mixed precision done by the engine,
+            # no DDP wrapper: ZeroOffloadTrainer's overrides). Patching a stock Trainer from
+            # its arguments would do part of that, and a partial offload saves wrong weights.
+            name = type(trainer).__name__
+            raise ValueError(
+                f"{name} was given ZeroOffloadTrainingArguments with zero_offload=True, but "
+                f"{name} is not a ZeroOffloadTrainer and would train without offload. Use "
+                "hf_zoffload.ZeroOffloadTrainer (or a subclass of it), or zero_offload=False")
+    return TrainingArguments.get_process_log_level(self)
 
 
 # Generated from the plugin's fields so that a new knob is a new argument with no edit here;
@@ -148,6 +252,7 @@ ZeroOffloadTrainingArguments = make_dataclass(
     bases=(TrainingArguments,),
     namespace={
         "__post_init__": _post_init,
+        "get_process_log_level": _get_process_log_level,
         "zero_offload_plugin": _zero_offload_plugin,
         "__doc__": "TrainingArguments plus `zero_offload` and one `zero_offload_<knob>` per "
                    "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "

@@ -86,6 +86,10 @@ class _MemoryReport(TrainerCallback):
 class ZeroOffloadTrainer(Trainer):
     """`Trainer` that, with ``args.zero_offload``, trains through the ZeRO-Offload engine."""
 
+    # ZeroOffloadTrainingArguments(zero_offload=True) refuse any Trainer without it
+    # (arguments.py, `_get_process_log_level`): only this class builds the engine.
+    builds_zero_offload_engine = True
+
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
         targs = bound.get("args")

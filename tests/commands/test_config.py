@@ -88,8 +88,8 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"growth factor.*\[2.0\]: ")
     child.sendline("")
     child.expect(r"backoff factor.*\[0.5\]: ")
-    child.sendline("1.5")  # the cross-field rule lives in ZeroOffloadPlugin too
-    child.expect(r"backoff_factor must be in \(0, 1\)")
+    child.sendline("1.5")  # the range lives in ZeroOffloadPlugin too
+    child.expect(r"'backoff_factor': '1.5' is not allowed; must be < 1.0")
     child.expect(r"backoff factor.*\[0.5\]: ")
     child.sendline("0.25")
     for answer in ("100", "1", ""):  # growth_interval, hysteresis, min_scale
@@ -104,7 +104,8 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     assert side["zero_offload"] is True
     chosen = dict(compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
                   delayed_update_warmup_steps=5, cpu_threads=2, state_dtype="bf16",
-                  host_memory_limit="48gib", init_scale=1024, backoff_factor=0.25, growth_interval=100, hysteresis=1)
+                  host_memory_limit="48gib", init_scale=1024, backoff_factor=0.25,
+                  growth_interval=100, hysteresis=1)
     # only the answers that differ from the default offered: a default written would pin it
     assert side["zoffload"] == ZeroOffloadPlugin(**chosen).to_dict(chosen)
     # accelerate's yaml has accelerate's keys only, and its own loader (the one `accelerate
