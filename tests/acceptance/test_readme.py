@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 
+from tests._env import fresh_accelerate_state
 from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,13 +70,8 @@ def test_setup_lines():
 
 @pytest.fixture
 def fresh_accelerate(monkeypatch):
-    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
-        monkeypatch.delenv(key)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    with fresh_accelerate_state(monkeypatch):
+        yield
 
 
 def test_trainer_snippet(tmp_path, monkeypatch, fresh_accelerate):

@@ -1,17 +1,9 @@
-import os
-
 import pytest
-from accelerate.state import AcceleratorState, GradientState
+
+from tests._env import fresh_accelerate_state
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    """No HF_ZOFFLOAD_* from the caller, and a new accelerate state per test (it is a
-    process-wide singleton that refuses a second mixed_precision)."""
-    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
-        monkeypatch.delenv(key)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    with fresh_accelerate_state(monkeypatch):
+        yield
