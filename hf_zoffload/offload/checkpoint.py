@@ -73,6 +73,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "skipped_steps": opt.skipped_steps,
             "applied_steps": opt.applied_steps,
             "world_size": ex.world,
+            "bucket_order": opt.bucket_order,
             **({"shell_of_rank": getattr(ex, "coll", ex).rank} if shell else {}),
         },
     }
@@ -136,7 +137,7 @@ def load_state_dict(opt, sd: dict) -> None:
                              f"params, the optimizer has {len(ours['params'])}")
         for pos, (saved_id, p) in enumerate(zip(saved["params"], ours["params"])):
             index_map[saved_id] = (gi, pos, p)
-    ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
+    ours_by_param = {s.param: s for b in opt.buckets for s in b.layout.slots}
     plan = []
     for saved_id, st in sd["state"].items():
         if saved_id not in index_map:
@@ -144,7 +145,7 @@ def load_state_dict(opt, sd: dict) -> None:
         gi, pos, p = index_map[saved_id]
         if p not in ours_by_param:
             continue  # frozen here: nothing to restore
-        b, s = ours_by_param[p]
+        s = ours_by_param[p]
         for key in ("exp_avg", "exp_avg_sq", "master"):
             if key in st and tuple(st[key].shape) != tuple(s.param.shape):
                 raise ValueError(
@@ -154,7 +155,7 @@ def load_state_dict(opt, sd: dict) -> None:
         if "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st:
             raise ValueError(f"param group {gi} param {pos}: state needs step, exp_avg, "
                              "exp_avg_sq")
-        plan.append((b, s, st))
+        plan.append((p, st))
     for gi, saved in enumerate(groups):
         hyper = {k: saved.get(k, opt.param_groups[gi][k]) for k in _HYPER}
         check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"],
@@ -170,13 +171,23 @@ def load_state_dict(opt, sd: dict) -> None:
     else:
         scaler_sd = None
 
+    order = extra.get("bucket_order")
+    if order is not None and (not isinstance(order, (list, tuple)) or
+                              not all(isinstance(i, int) for i in order)):
+        raise ValueError("state_dict's zero_offload.bucket_order must be a list of param "
+                         f"indices, got {type(order).__name__}")
+
     # ---- nothing above changed the optimizer; apply
+    if order is not None:  # the buckets as the saved run had them (reorder.py)
+        opt.set_bucket_order(order)
     for saved, ours in zip(groups, opt.param_groups):
         for k in _HYPER:
             if k in saved:
                 ours[k] = tuple(saved[k]) if k == "betas" else saved[k]
     loaded = set()
-    for b, s, st in plan:
+    ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
+    for p, st in plan:
+        b, s = ours_by_param[p]
         own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
         h = b.state
         part = opt.exchange.local_part  # a whole tensor's elements of this rank's local one

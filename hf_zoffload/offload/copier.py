@@ -4,8 +4,11 @@
 is the same interface for params that live on the CPU (no streams, no pinning), which is how
 the engine runs on a machine without a GPU and in the test suite. Every copy is keyed by its
 bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
-`wait_uploaded(key)` before the host overwrites what `to_params` / `to_flat` read. The stream
-rules are stated where each copy is queued (docs/design.md, "Stream rules").
+`wait_uploaded(key)` before the host overwrites what `to_params` / `to_flat` read. Once a
+bucket's params are all written on the side stream, `mark_ready(key)`; the compute stream then
+waits for the buckets a module uses (`wait_ready(keys)`, before its forward) or for all of
+them (`finish_uploads`). The stream rules are stated where each copy is queued
+(docs/design.md, "Stream rules").
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class HostCopier:
         dst.copy_(src)
 
     def wait_uploaded(self, key: int) -> None:
+        pass
+
+    def mark_ready(self, key: int) -> None:
+        pass
+
+    def wait_ready(self, keys) -> None:
         pass
 
     def finish_uploads(self) -> float:
@@ -126,6 +135,7 @@ class CudaCopier:
         self._host_work = _HostWork(device)
         self._landed: dict[int, torch.cuda.Event] = {}
         self._uploaded: dict[int, torch.cuda.Event] = {}
+        self._ready: dict[int, torch.cuda.Event] = {}  # params written, not yet waited for
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
@@ -248,11 +258,29 @@ class CudaCopier:
         if ev is not None:
             ev.synchronize()
 
+    def mark_ready(self, key: int) -> None:
+        """Bucket ``key``'s params are all queued on the side stream (uploads, or the copies
+        out of an all-gather): an event the compute stream can wait for."""
+        ev = torch.cuda.Event()  # only the device waits on it
+        ev.record(self.stream)
+        self._ready[key] = ev
+
+    def wait_ready(self, keys) -> None:
+        """The compute stream waits for these buckets' params (a device-side wait, queued
+        before a module's forward); the other buckets may still be uploading."""
+        stream = torch.cuda.current_stream(self.device)
+        for key in keys:
+            ev = self._ready.pop(key, None)
+            if ev is not None:
+                stream.wait_event(ev)
+
     def finish_uploads(self) -> float:
-        """Make the next forward wait for the new params, without a host sync; returns the
-        host time spent (about 0: the wait is queued on the device)."""
+        """The compute stream waits for every upload queued so far, without a host sync;
+        returns the host time spent (about 0: the wait is queued on the device)."""
         t0 = time.perf_counter()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self._ready:
+            self._ready.clear()
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return time.perf_counter() - t0
 
 

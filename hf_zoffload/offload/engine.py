@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import time
 
@@ -32,15 +33,18 @@ from ..optim.loss_scaler import DynamicLossScaler
 from . import checkpoint
 from .copier import make_copier
 from .delayed import DelayedUpdate
-from .hooks import queue_at_backward_end, register_grad_hooks
+from .hooks import queue_at_backward_end, register_grad_hooks, register_param_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report
 from .params import ParamWatch, check_placement
+from .reorder import ArrivalOrder, relayout
 from .state import Bucket, place
 from .support import check_clip_args, local_grad
 from .tensor_parallel import make_exchange
 from .update import Work, cpu_threads, plan, run
+
+logger = logging.getLogger(__name__)
 
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
@@ -59,6 +63,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     ``step()`` / ``zero_grad()``; callers step only at the boundary (accelerate's
     ``sync_gradients`` does this for ``AcceleratedOptimizer``). ``model.zero_grad()`` does not
     discard streamed gradients; ``optimizer.zero_grad()`` does.
+
+    ``model`` (optional; the integrations pass it): the module these params belong to. Its
+    param order is the first guess of the bucket order (``param_order`` overrides); from the
+    second step on the buckets follow the order the first backward produced gradients
+    (``bucket_order``). With params on a GPU each submodule's forward then waits only for the
+    uploads of its own params, and the model's ``state_dict()`` for those it saves; code that
+    reads params in another way between ``step()`` and the next forward calls ``flush()``.
 
     Delayed update (``plugin.delayed_update``): after ``delayed_update_warmup_steps`` applied
     steps, ``step()`` starts the CPU update of step i in a background thread and returns; the
@@ -80,7 +91,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  plugin: ZeroOffloadPlugin | None = None, process_group=None,
-                 param_order=None):
+                 param_order=None, model: torch.nn.Module | None = None):
         check_hyper(lr, betas, eps, weight_decay, where="ZeroOffloadOptimizer")
         if plugin is None:
             plugin = ZeroOffloadPlugin.from_sources()
@@ -90,6 +101,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
         self.cpu_threads = cpu_threads(plugin.cpu_threads, log=True)
+        if param_order is None and model is not None:
+            param_order = model.parameters()
         slots = collect_slots(self.param_groups, order=param_order,
                               state_dtype=plugin.state_dtype)
         self.device = slots[0].param.device
@@ -101,19 +114,20 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.exchange = make_exchange(process_group, slots=slots, device=self.device,
                                       copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
-        layouts = build_layouts(slots, bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
-                                rank=self.exchange.rank, world=self.exchange.world,
-                                align=QBLOCK if plugin.state_dtype == "int8" else 1)
+        # Buckets fill in reverse param order until the first backward shows the real
+        # order (reorder.py); how they are cut is kept for the re-layout.
+        self._cut = dict(bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
+                         align=QBLOCK if plugin.state_dtype == "int8" else 1)
+        layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
+                                world=self.exchange.world, **self._cut)
         check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin, pinned=pin,
                           world=self.exchange.world)  # before anything is allocated
-        self.host_pool = HostPool(layouts, pin=pin)
-        self.buckets = [Bucket(lay, place(lay, self.dtype, self.device, pool=self.host_pool,
-                                          state_dtype=plugin.state_dtype,
-                                          flat=self.exchange.initial_values(lay)))
-                        for lay in layouts]
-        self.exchange.attach(self.buckets, self._check, self.host_pool)
-        self._where = {s.param: (b, i, s.offset, s.offset + s.numel, len(b.layout.slots))
-                       for b in self.buckets for i, s in enumerate(b.layout.slots)}
+        pool = HostPool(layouts, pin=pin)
+        self._install([s.index for s in slots[::-1]], pool, [Bucket(lay, place(
+            lay, self.dtype, self.device, pool=pool, state_dtype=plugin.state_dtype,
+            flat=self.exchange.initial_values(lay))) for lay in layouts])
+        self._arrival: ArrivalOrder | None = ArrivalOrder()  # None: the order is settled
+        self.relayout_seconds: float | None = None  # how long the last re-layout took
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
         self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
@@ -143,10 +157,70 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.timings = {"fwd_bwd": 0.0, "grad_wait": 0.0, "cpu_adam": 0.0, "upload_host": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
-        self._watch = ParamWatch(self.buckets)
         self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
+        # Params uploaded from the host: each module's forward waits for its own buckets
+        # only (they go up in forward order), so the first layers compute while the last
+        # ones still upload.
+        self._module_waits = model is not None and not self.copier.params_on_host
+        if self._module_waits:
+            register_param_waits(self, "_wait_params", model, [s.param for s in slots])
+
+    def _install(self, fill: list[int], pool: HostPool, buckets: list[Bucket]) -> None:
+        self.host_pool, self.buckets, self._fill = pool, buckets, fill
+        self.exchange.attach(buckets, self._check, pool)
+        self._where = {s.param: (b, i, s.offset, s.offset + s.numel, len(b.layout.slots))
+                       for b in buckets for i, s in enumerate(b.layout.slots)}
+        self._module_keys: dict = {}  # module -> the buckets of its params (_wait_params)
+        self._watch = ParamWatch(buckets)
+
+    def _wait_params(self, module) -> None:
+        """Before ``module``'s forward or state_dict: the device waits for the buckets of
+        its params; None (after the model's forward): for every upload still pending."""
+        if module is None:
+            self.copier.finish_uploads()
+            return
+        keys = self._module_keys.get(module)
+        if keys is None:
+            keys = self._module_keys[module] = sorted({
+                self._where[p][0].layout.index for p in module.parameters(recurse=False)
+                if p in self._where})
+        self.copier.wait_ready(keys)
 
     # ------------------------------------------------------------- public facts
+    @property
+    def bucket_order(self) -> list[int]:
+        """Param indices (torch's state_dict keys) in the order the buckets fill: the
+        reversed param order until the first step, then the order in which the first
+        backward's gradients arrived (reorder.py)."""
+        return list(self._fill)
+
+    def set_bucket_order(self, order) -> None:
+        """Fill the buckets in ``order`` (param indices; trainable params missing from it
+        follow in their current order, others are ignored), moving the host state; the
+        first backward's order is then no longer adopted. With N ranks a collective; the
+        first rank's order wins. Between steps only (checkpoints call it when loading)."""
+        fill = self._fill
+        known = set(fill)
+        order = [i for i in dict.fromkeys(int(i) for i in order) if i in known]
+        placed = set(order)
+        order = self.exchange.agree(order + [i for i in fill if i not in placed])
+        self._arrival = None
+        if order == fill:
+            return
+        self._drain()
+        for b in self.buckets:  # no copy may still use the old buffers
+            self.copier.wait_landed(b.layout.index)
+            self.copier.wait_uploaded(b.layout.index)
+        t0 = time.perf_counter()
+        pool, buckets = relayout(
+            self.buckets, order, exchange=self.exchange, dtype=self.dtype,
+            state_dtype=self.plugin.state_dtype, pin=self.host_pool.pin, **self._cut)
+        self._install(order, pool, buckets)
+        self._reset_window()
+        self.relayout_seconds = time.perf_counter() - t0
+        logger.info("ZeRO-Offload: %d buckets re-laid out in gradient arrival order (%.2f s)",
+                    len(buckets), self.relayout_seconds)
+
     @property
     def update_in_flight(self) -> bool:
         """A delayed update is running, or its params are not on the device yet."""
@@ -169,6 +243,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             return
         b, i, lo, hi, n_slots = self._where[p]
         w = b.window
+        if self._arrival is not None and self._arrival.recording:
+            self._arrival.note(b.layout.slots[i].index)
         if not self._in_backward:
             check_placement(self.buckets, self.device, self.dtype)
             self._in_backward = True
@@ -196,6 +272,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         ended, self._in_backward = self._in_backward, False
+        if ended and self._arrival is not None:
+            self._arrival.stop()
         for b in self.buckets:
             if b.window.pending is not None:
                 self.exchange.flush(b)
@@ -247,6 +325,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_placement(self.buckets, self.device, self.dtype)
+        self.copier.finish_uploads()  # what no forward waited for: before params are read
         self._watch.adopt_edits(update_in_flight=self.update_in_flight)
         t_start = time.perf_counter()
         if self._t_step_end is not None:
@@ -255,7 +334,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         overflow, norm = self._finalize()
         self.grad_norm = norm
         self._consolidated = None  # a consolidated state_dict is stale from here
-        delayed = self.plugin.delayed_update and \
+        # Not before the buckets follow the first backward's order (re-laid out below).
+        delayed = self.plugin.delayed_update and self._arrival is None and \
             self.applied_steps >= self.plugin.delayed_update_warmup_steps
         self._drain()  # a pending delayed update lands before anything else
         if self.loss_scaler.is_enabled():
@@ -279,6 +359,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self._run(work, upload=True)
                 self._watch.note_written()
         self._reset_window()
+        order = self._arrival.order(self._fill) if self._arrival is not None else None
+        if order is not None:
+            self.set_bucket_order(order)
         self._t_step_end = time.perf_counter()
         return loss
 
@@ -290,11 +373,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.timings["upload_host"] = t_publish + self._finish_publish()
 
     def _finish_publish(self) -> float:
-        """The last uploads are queued and the next forward will wait for them; returns the
-        host seconds that took."""
+        """The last uploads are queued and the next forward will wait for them (each
+        module for its own, with ``model=``); returns the host seconds that took."""
         t0 = time.perf_counter()
         self.exchange.finish_publish()
-        self.copier.finish_uploads()
+        if not self._module_waits:
+            self.copier.finish_uploads()
         return time.perf_counter() - t0
 
     def _start_delayed(self, work: list[Work]) -> None:
@@ -330,8 +414,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Finish a pending delayed update and copy its params to the device. The
         integrations call it before the model is saved or evaluated; a plain loop using
-        ``delayed_update`` calls it before it evaluates or saves the model itself."""
+        ``delayed_update`` calls it before it evaluates or saves the model itself. Also makes
+        the device wait for every upload: with ``model=``, code that reads params outside a
+        module's forward (``model.state_dict()`` waits by itself) calls it after ``step()``."""
         self._drain()
+        self.copier.finish_uploads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient accumulated since the last step. ``set_to_none`` has no
@@ -395,6 +482,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Load a state saved with any number of ranks; each rank keeps its shard, on the
         host. No collective: every rank must pass the same whole state."""
         self._drain()
+        self.copier.finish_uploads()  # no upload may land over the loaded params
         self._consolidated = None
         checkpoint.load_state_dict(self, state_dict)
         self._watch.note_written()

@@ -20,14 +20,18 @@ rank's buckets hold its local shards). The interface, in the order a step calls 
   buckets, ``sharded`` of tensor-parallel shards' buckets) and which params got a gradient
   the same on every rank.
 - ``publish(b, src)`` uploads a bucket's new params after its CPU-Adam from host buffer
-  ``src`` (`Bucket.out`; None: written into the params in place already);
-  ``finish_publish()`` after the last one.
+  ``src`` (`Bucket.out`; None: written into the params in place already), and marks the
+  bucket ready (``copier.mark_ready``) once its params are all queued; ``finish_publish()``
+  after the last one.
 - ``gather(b, shards, to)``: each fp32 host shard of ``shards`` (this rank's part of the
   bucket: master, decoded moments) as the whole bucket on rank ``to`` (None elsewhere), for
   checkpoints and the full-precision weights; ``whole(parts)`` then makes each (slot, [flat
   local tensors]) of ``parts`` whole params (a collective with tensor parallelism),
   ``receives(to)`` says whether this rank gets the result, ``local_part(slot, t)`` is the inverse of
   ``whole``: this rank's part of a whole tensor, flat (no collective).
+- ``agree(order)``: the first rank's list of ints on every rank that shares this rank's
+  buckets; ``gather_all(b, shards)``: like ``gather``, the whole bucket on each of those
+  ranks (reorder.py moves the host state between buckets with them).
 """
 
 from __future__ import annotations
@@ -98,12 +102,19 @@ class LocalExchange:
     def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         if src is not None:  # else the CPU-Adam wrote the params in place already
             self.copier.to_params(b.layout.index, b.layout, src)
+            self.copier.mark_ready(b.layout.index)
 
     def finish_publish(self) -> None:
         pass
 
     def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
         return list(shards)
+
+    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(shards)
+
+    def agree(self, order: list[int]) -> list[int]:
+        return list(order)
 
     whole = staticmethod(whole_params)
     local_part = staticmethod(local_flat)

@@ -1,4 +1,5 @@
-"""The engine's places in autograd: its grad hooks, and the end of a backward.
+"""The engine's places in autograd and in the model: its grad hooks, the end of a
+backward, and the waits for new params before a module's forward.
 
 Grad hooks reach the engine through a weak reference. The params hold their hooks in C++,
 where Python's cycle collector cannot see a param -> hook -> engine -> param cycle, so a bound
@@ -36,6 +37,28 @@ def register_grad_hooks(owner, method: str, params) -> list:
             getattr(alive, method)(p)
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    weakref.finalize(owner, _remove, handles)
+    return handles
+
+
+def register_param_waits(owner, method: str, model, params) -> list:
+    """``getattr(owner, method)(module)`` before the forward and the ``state_dict`` of
+    each module of ``model`` that holds one of ``params`` directly, for as long as
+    ``owner`` lives; ``getattr(owner, method)(None)`` after ``model``'s own forward."""
+    ref = weakref.ref(owner)
+    mine = {id(p) for p in params}
+
+    def call(module):
+        alive = ref()
+        if alive is not None:
+            getattr(alive, method)(module)
+
+    handles = []
+    for m in model.modules():
+        if any(id(p) in mine for p in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(lambda mod, args: call(mod)))
+            handles.append(m.register_state_dict_pre_hook(lambda mod, *a: call(mod)))
+    handles.append(model.register_forward_hook(lambda mod, args, out: call(None)))
     weakref.finalize(owner, _remove, handles)
     return handles
 

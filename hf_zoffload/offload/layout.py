@@ -118,7 +118,7 @@ def collect_slots(param_groups, *, order=None, state_dtype: str = "fp32") -> lis
 
     In ``order`` (the params as the model registers them, ``model.parameters()``), else in
     the optimizer's param order; params missing from ``order`` follow, in theirs. The order
-    matters: buckets are filled from its end (`build_layouts`). With the Trainer's decay /
+    matters until the first step: buckets are filled from its end. With the Trainer's decay /
     no-decay groups the optimizer's order puts every layer's norms and biases together, in a
     bucket that completes only when backward reaches the first layer, and with N ranks a
     late bucket holds back every reduce-scatter after it (they launch in bucket order)."""
@@ -161,16 +161,17 @@ def build_layouts(slots: list[Slot], *, bucket_numel: int, rank: int = 0,
     """Split ``slots`` into buckets of about ``bucket_numel`` elements, each sharded for
     ``rank`` of ``world``.
 
-    ``slots`` come in the optimizer's param order; buckets are filled in reverse, which is
-    close to the order backward produces gradients, so the first bucket completes early and
-    its copy overlaps the rest of backward. A parameter larger than ``bucket_numel`` gets a
+    ``slots`` come in the order the buckets fill, which should be the order backward
+    produces their gradients, so that the first bucket completes early and its copy overlaps
+    the rest of backward: the engine passes the reversed param order first, then the order
+    the first backward showed (reorder.py). A parameter larger than ``bucket_numel`` gets a
     bucket of its own. Within a bucket, slots are ordered by param group so that one
     CPU-Adam call covers each group.
     """
     groups: list[list[Slot]] = []
     current: list[Slot] = []
     size = 0
-    for slot in reversed(slots):
+    for slot in slots:
         if current and (size + slot.numel > bucket_numel or slot.sharded != current[0].sharded):
             groups.append(current)
             current, size = [], 0

@@ -262,6 +262,7 @@ class PartitionedExchange:
             for b, work, flat in gathers:
                 work.wait()
                 b.layout.copy_to_params(flat, 0)
+                self.copier.mark_ready(b.layout.index)
 
     # ---------------------------------------------------------- checkpoints
     def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
@@ -272,6 +273,21 @@ class PartitionedExchange:
         parts = self.coll.gather_to(local, to, f"gather of bucket {b.layout.index}'s "
                                                f"optimizer state to rank {to}")
         return list(torch.cat(parts, dim=1).cpu()) if parts is not None else None
+
+    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of ``shards`` as the whole (padded) bucket on every rank, CPU tensors."""
+        local = torch.stack(shards).to(self.coll.device)  # (kinds, shard)
+        out = torch.empty((self.world, *local.shape), dtype=local.dtype, device=local.device)
+        what = f"all-gather of bucket {b.layout.index}'s optimizer state"
+        work = self.coll.all_gather(out.view(-1), local.view(-1), what)
+        with self.coll.guard(what):
+            work.wait()
+        return list(out.transpose(0, 1).reshape(len(shards), -1).cpu())
+
+    def agree(self, order: list[int]) -> list[int]:
+        t = torch.tensor(order, dtype=torch.int64, device=self.coll.device)
+        self.coll.broadcast_from_first(t, "broadcast of the bucket order")
+        return t.tolist()
 
     whole = staticmethod(whole_params)
     local_part = staticmethod(local_flat)

@@ -88,31 +88,37 @@ class HostState:
         }
 
 
-def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          state_dtype: str = "fp32", flat: torch.Tensor | None = None) -> HostState:
-    """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
-    0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
-    (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
-    or shared a storage with another param before (a DTensor param gets a new local tensor,
-    support.set_local). Moments start at zero (all-zero codes and scales are zero moments in
-    every ``state_dtype``)."""
-    master = torch.zeros(layout.shard, dtype=torch.float32)  # zeros: the padding
-    for s in layout.slots:
-        shape = s.local().shape
-        src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]
-        own, mine = layout.owned(s)
-        master[own].copy_(src[mine])  # from the original precision
-        new = torch.empty(shape, dtype=dtype, device=device)
-        new.view(-1).copy_(src)
-        set_local(s.param, new)
+def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
+                state_dtype: str = "fp32") -> HostState:
+    """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
+    every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``."""
     kind = STATE_DTYPES[state_dtype]
-    state = HostState(master=master,
+    state = HostState(master=torch.zeros(layout.shard, dtype=torch.float32),
                       exp_avg=torch.zeros(layout.shard, dtype=kind),
                       exp_avg_sq=torch.zeros(layout.shard, dtype=kind),
                       grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)))
     if kind == torch.uint8:
         state.scales = (torch.zeros(n_blocks(layout.shard)),
                         torch.zeros(n_blocks(layout.shard)))
+    return state
+
+
+def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
+          state_dtype: str = "fp32", flat: torch.Tensor | None = None) -> HostState:
+    """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
+    0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
+    (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
+    or shared a storage with another param before (a DTensor param gets a new local tensor,
+    support.set_local). Moments start at zero."""
+    state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype)
+    for s in layout.slots:
+        shape = s.local().shape
+        src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]
+        own, mine = layout.owned(s)
+        state.master[own].copy_(src[mine])  # from the original precision
+        new = torch.empty(shape, dtype=dtype, device=device)
+        new.view(-1).copy_(src)
+        set_local(s.param, new)
     return state
 
 

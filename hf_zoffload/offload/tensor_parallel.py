@@ -90,6 +90,13 @@ class TensorParallelExchange:
     def publish(self, b: Bucket, src) -> None:
         self.inner.publish(b, src)
 
+    # the layout is shared with the data-parallel ranks only (uneven shards may differ)
+    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.inner.gather_all(b, shards)
+
+    def agree(self, order: list[int]) -> list[int]:
+        return self.inner.agree(order)
+
     def finish_publish(self) -> None:
         self.inner.finish_publish()
 

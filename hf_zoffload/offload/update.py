@@ -67,7 +67,8 @@ class Work(NamedTuple):
 
 def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: float, *,
          in_place: bool) -> list[Work]:
-    """The step's CPU-Adam calls over the params that got a gradient in this window. Runs
+    """The step's CPU-Adam calls over the params that got a gradient in this window, bucket
+    by bucket in forward order. Runs
     outside this rank's shard are dropped, but every rank counts every param's steps
     (``param_steps`` is advanced here). ``in_place``: the CPU-Adam writes the new 16-bit
     values into the params' own storage (params on the CPU, no delayed update)."""
@@ -75,7 +76,9 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
         for g in param_groups:  # betas changed since the engine was built: refused here
             ratio_cap(*g["betas"])
     work = []
-    for b in buckets:
+    # Forward order: the last bucket holds the first layers' params (buckets fill in
+    # backward order), so their uploads finish first and the next forward can start.
+    for b in reversed(buckets):
         if not any(b.window.present):
             continue
         lay, runs = b.layout, []

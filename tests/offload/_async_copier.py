@@ -23,6 +23,10 @@ What stands for what:
   forward pre-hook (`forward_waits`), so the host runs ahead as on CUDA and a CPU-Adam that
   overwrites an upload's source without ``wait_uploaded`` races its upload. Anything else that
   reads params "on the device" must call `synchronize()` first (tests comparing params do);
+- ``mark_ready(key)`` notes the last job queued for a bucket's params and ``wait_ready(keys)``
+  (the engine's per-module forward waits) blocks the caller, the compute stream, until those
+  jobs are done: only those, so a forward that reads a bucket it did not wait for sees it
+  half-uploaded;
 - device buffers (`twin(zero=False)`, `side_buffer`, `to_device`) start as NaN, never as a
   host buffer: the host buffer changes only when the worker copies into it;
 - a device buffer dropped after its copy was queued stays referenced by the job (rule 2).
@@ -61,6 +65,8 @@ class AsyncCopier:
         self._compute_at = 0  # the compute stream waits for jobs up to here (finish_uploads)
         self._landed: dict[int, int] = {}
         self._uploaded: dict[int, int] = {}
+        self._ready: dict[int, int] = {}
+        self.ready_waits: list[tuple[int, ...]] = []  # the keys of each wait_ready, in order
         self._error: BaseException | None = None
         self._held = threading.Event()
         self._held.set()
@@ -205,9 +211,24 @@ class AsyncCopier:
     def device_times(self) -> dict[str, float]:
         return {}  # emulated copies: no device time to report
 
+    def mark_ready(self, key: int) -> None:
+        with self._cv:
+            self._ready[key] = self._queued
+
+    def wait_ready(self, keys) -> None:
+        keys = tuple(keys)
+        self.ready_waits.append(keys)
+        for key in keys:
+            with self._cv:
+                seq = self._ready.pop(key, None)
+            if seq is not None:
+                self._wait(seq, f"wait_ready({key})")
+        self._raise()
+
     def finish_uploads(self) -> float:
         t0 = time.perf_counter()
         with self._cv:
+            self._ready.clear()
             self._compute_at = max(self._compute_at, self._queued)
         if not self.lazy_uploads:
             self.compute_wait()

@@ -62,7 +62,8 @@ def decay_groups(model):
 def build(*, process_group=None, bucket_size_mb=0.01, model=None, device="cpu", **plugin):
     model = (Model() if model is None else model).to(device)
     opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, process_group=process_group,
-                               plugin=ZeroOffloadPlugin(bucket_size_mb=bucket_size_mb, **plugin))
+                               plugin=ZeroOffloadPlugin(bucket_size_mb=bucket_size_mb, **plugin),
+                               model=model)
     model.frozen.to(opt.dtype)  # the engine casts only the params it trains
     return model, opt
 
@@ -126,6 +127,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
     return {"losses": losses, "norms": norms, "masters": masters,
             "params": [p.detach().clone() for p in model.parameters()],
             "memory": opt.memory_report(), "no_sync_bytes": no_sync_bytes,
+            "bucket_order": opt.bucket_order,
             "sent": dict(opt.exchange.sent) if opt.exchange.world > 1 else {}}
 
 

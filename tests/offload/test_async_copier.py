@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from hf_zoffload import ZeroOffloadOptimizer
 from hf_zoffload.offload.delayed import DelayedUpdate
 from tests.offload import _dp_worker as w
 from tests.offload._async_copier import AsyncCopier, installed, synchronize
@@ -192,3 +193,66 @@ def test_two_ranks_bitwise_through_async_copier(tmp_path):
     assert res[0][5]["skipped"] == [False, False, True, False]
     for a, b in zip(res[0][1]["params"], res[1][1]["params"]):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------- uploads in forward order, per-module waits
+def _no_sync_loop(steps, *, slow_bucket=None, module_waits=True, monkeypatch=None, seed=6):
+    """``steps`` steps with no host sync between them (the next forward follows step() at
+    once, as in training); ``slow_bucket``: its uploads take 0.3 s more. Returns the losses,
+    the final params, the upload order of the last step and, for each forward after a step,
+    whether some upload was still running when the first module (the embedding) computed."""
+    data = w.batches(steps)
+    if slow_bucket is not None:
+        real = AsyncCopier._copy_to_params
+
+        def slow(self, layout, src):
+            if layout.index == slow_bucket:
+                time.sleep(0.3)
+            real(self, layout, src)
+
+        monkeypatch.setattr(AsyncCopier, "_copy_to_params", slow)
+    if not module_waits:  # only the waits after the model's forward and at step() stay
+        monkeypatch.setattr(ZeroOffloadOptimizer, "_wait_params", lambda self, m: (
+            self.copier.finish_uploads() if m is None else None))
+    with installed(seed) if slow_bucket is not None else contextlib.nullcontext([]) as made:
+        model, opt = w.build(bucket_size_mb=BUCKET_MB, compute_dtype="bf16")
+        overlapped, uploads = [], []
+        if made:
+            c = made[0]
+            model.emb.register_forward_hook(
+                lambda *a: overlapped.append(c._done < c._queued))
+            real_to_params = c.to_params
+            c.to_params = lambda key, *a: (uploads.append(key), real_to_params(key, *a))[1]
+        losses = []
+        for step in range(steps):
+            uploads.clear()
+            loss = model(data[step], extra_rows=2, extra_weight=1.0)
+            losses.append(loss.item())
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        synchronize(opt)
+        return losses, [p.detach().clone() for p in model.parameters()], uploads, overlapped
+
+
+def test_uploads_go_in_forward_order_and_the_first_layers_compute_meanwhile(monkeypatch):
+    """After the re-layout (step 1) bucket 0 holds the head (its grads arrive first): it is
+    updated and uploaded last, and the next forward's embedding computes while it is still
+    on its way. Every module waited for its own params: bitwise the host engine's run."""
+    ref_losses, ref_params, _, _ = _no_sync_loop(4)
+    losses, params, uploads, overlapped = _no_sync_loop(4, slow_bucket=0,
+                                                        monkeypatch=monkeypatch)
+    assert uploads == sorted(uploads, reverse=True) and uploads[-1] == 0
+    assert overlapped[2:] == [True, True]  # steps 3, 4: the layout is the arrival order
+    _same(losses, ref_losses, "losses")
+    _same(params, ref_params, "params")
+
+
+def test_without_the_module_waits_a_forward_reads_half_uploaded_params(monkeypatch):
+    """The same run with each module's wait removed: the head is read before its upload
+    has landed, and the losses part from the host engine's."""
+    _, ref_params, _, _ = _no_sync_loop(4)
+    _, params, _, overlapped = _no_sync_loop(4, slow_bucket=0, module_waits=False,
+                                             monkeypatch=monkeypatch)
+    assert overlapped[2:] == [True, True]
+    assert not all(torch.equal(a, b) for a, b in zip(params, ref_params))

@@ -11,8 +11,12 @@ from tests._tiny import batches, decay_groups, tiny_gpt2
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_cuda_matches_cpu_engine(dtype):
+@pytest.mark.parametrize("dtype,module_waits", [("bf16", False), ("fp32", False),
+                                                ("bf16", True)])
+def test_cuda_matches_cpu_engine(dtype, module_waits):
+    """``module_waits``: the GPU engine gets ``model=``, so each module's forward waits only
+    for its own params' uploads (the host runs ahead of the device here, so a missing wait
+    reads params still on their way)."""
     data = batches(4)
     cpu_model = tiny_gpt2()
     gpu_model = copy.deepcopy(cpu_model).cuda()
@@ -20,7 +24,9 @@ def test_cuda_matches_cpu_engine(dtype):
     cpu_opt = ZeroOffloadOptimizer(decay_groups(cpu_model), lr=3e-3,
                                    plugin=ZeroOffloadPlugin(**plugin))
     gpu_opt = ZeroOffloadOptimizer(decay_groups(gpu_model), lr=3e-3,
-                                   plugin=ZeroOffloadPlugin(**plugin))
+                                   plugin=ZeroOffloadPlugin(**plugin),
+                                   model=gpu_model if module_waits else None)
+    assert gpu_opt._module_waits == module_waits
     assert gpu_opt.copier.pinned and gpu_opt.buckets[0].state.grads.grad16.is_pinned()
     for step in range(6):
         for micro in range(2):
@@ -34,6 +40,7 @@ def test_cuda_matches_cpu_engine(dtype):
         # is rounded to 8 bits (2^-8 relative) by kernels that differ between devices.
         assert gpu_opt.grad_norm == pytest.approx(
             cpu_opt.grad_norm, rel=1e-4 if dtype == "fp32" else 3e-2)
+    gpu_opt.flush()  # the device waits for the last uploads before the reads below
     # GPU matmuls differ from CPU ones at the compute dtype's rounding
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == "bf16" else dict(atol=1e-4, rtol=1e-3)
     for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):

@@ -69,6 +69,16 @@ def test_two_ranks_equal_one_rank(two, one, kind):
     assert max(one[kind]["norms"]) > w.MAX_NORM  # clipping was active
 
 
+def test_the_ranks_adopt_the_first_ranks_arrival_order(two, one):
+    """After the first step the buckets follow the first backward's gradient order (rank
+    0's: rank 1's first backward has no grad for ``extra``, which rank 0 uses), the same
+    on every rank; the runs above show the state moved between ranks exactly."""
+    guess = w.build(**FP32)[1].bucket_order  # the model's param order, reversed
+    for kind in ("fp32", "dpu", "int8"):
+        r0, r1 = two[kind]
+        assert r0["bucket_order"] == r1["bucket_order"] == one[kind]["bucket_order"] != guess
+
+
 @pytest.mark.slow
 def test_bf16_two_ranks_track_one_rank(two, one):
     # 2 ranks average bf16 grads in bf16 (the reduce-scatter), so the runs part by bf16

@@ -1,0 +1,86 @@
+"""Buckets in the order gradients arrive: the first backward's order, adopted after a step.
+
+When a bucket completes is decided by the order autograd produces gradients, which no param
+order tells for sure (Llama registers each layer's norms after its MLP; with the Trainer's
+decay / no-decay groups the optimizer's order mixes every layer into one bucket). A bucket
+completing late delays its copy, and with N ranks every reduce-scatter after it (they
+launch in bucket order) while their device buffers stay alive. So the engine builds its
+first buckets from a guess (layout.py), records which param's gradient arrives when in its
+first backward (`ArrivalOrder`), and at the end of the first step, when no gradient is held
+anywhere, moves the host state into buckets filled in that order (`relayout`). With N ranks
+the first rank's order is used on every rank that shares the buckets (``exchange.agree``).
+
+The move is exact in every ``state_dtype``: masters and fp32 / bf16 moments are copied;
+8-bit moments are decoded and encoded again, which gives back the same codes and scales
+because every param starts a 256-element block in any layout (layout.py, ``align``), so each
+block holds the same elements before and after. It goes one old bucket at a time (with N
+ranks an all-gather of that bucket's state), freeing each once moved, and allocates a new
+bucket's state when its first param arrives: the extra host memory is about the buckets in
+transit, not a second copy of the state. Checkpoints carry the order, so a resumed run
+starts from the layout it saved (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .host import HostPool
+from .layout import build_layouts
+from .state import Bucket, empty_state
+
+
+class ArrivalOrder:
+    """Param indices in the order their first gradient of one backward arrived."""
+
+    def __init__(self):
+        self.recording = True
+        self._seen: dict[int, None] = {}  # insertion-ordered set
+
+    def note(self, index: int) -> None:
+        if self.recording:
+            self._seen.setdefault(index)
+
+    def stop(self) -> None:
+        """At the end of the backward whose order this keeps."""
+        if self._seen:
+            self.recording = False
+
+    def order(self, fill: list[int]) -> list[int] | None:
+        """The fill order of every param of ``fill`` (the current one): those seen, as
+        they arrived, then the others as they are now. None while none was recorded."""
+        if self.recording:
+            return None
+        known = set(fill)
+        seen = [i for i in self._seen if i in known]
+        return seen + [i for i in fill if i not in self._seen]
+
+
+def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel: int,
+             align: int, dtype: torch.dtype, state_dtype: str, pin: bool):
+    """New buckets filled in ``order`` (param indices), with the host state of ``buckets``
+    moved into them; returns (pool, buckets). ``buckets`` are unusable after.
+    No gradient may be held (end of a step) and no copy may still use their buffers."""
+    by_index = {s.index: s for b in buckets for s in b.layout.slots}
+    layouts = build_layouts([by_index[i] for i in order], bucket_numel=bucket_numel,
+                            rank=exchange.rank, world=exchange.world, align=align)
+    for b in buckets:  # their landing buffers hold nothing now: free them first
+        b.state.grads = b.state.spare = None
+    pool = HostPool(layouts, pin=pin)
+    home = {s.index: (lay, s) for lay in layouts for s in lay.slots}
+    states = [None] * len(layouts)
+    for b in buckets:
+        # the whole old bucket (bucket coordinates) on every rank that shares the layout
+        full = exchange.gather_all(b, [b.state.master, *b.state.moments_fp32()])
+        for old in b.layout.slots:
+            lay, new = home[old.index]
+            if states[lay.index] is None:
+                states[lay.index] = empty_state(lay, dtype, pool=pool, state_dtype=state_dtype)
+            own, mine = lay.owned(new)  # host slice of the new shard, slice of the param
+            if own.start == own.stop:
+                continue
+            master, m, v = (t[old.offset:old.offset + old.numel][mine] for t in full)
+            st = states[lay.index]
+            st.master[own].copy_(master)
+            st.set_moments(own.start, m, v)  # own.start starts a block (8-bit moments)
+        b.state = None  # every param of it has moved
+    return pool, [Bucket(lay, st) for lay, st in zip(layouts, states)]

@@ -1,0 +1,178 @@
+"""Buckets follow the first backward's gradient arrival order from the second step on
+(hf_zoffload/offload/reorder.py): the re-layout moves the host state exactly, in every
+state_dtype, and checkpoints carry the order."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from tests._tiny import MODELS, batches, decay_groups
+
+LR = 3e-3
+
+
+def _engine(name, *, state="fp32", compute="fp32", bucket_mb=0.006, **plugin):
+    model = MODELS[name]()
+    opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(
+        compute_dtype=compute, state_dtype=state, bucket_size_mb=bucket_mb, **plugin))
+    return model, opt
+
+
+def _flushes(opt):
+    """Bucket indices in the order the exchange flushes them, per backward (appended)."""
+    order, flush = [], opt.exchange.flush
+    opt.exchange.flush = lambda b: (order.append(b.layout.index), flush(b))[1]
+    return order
+
+
+def _arrivals(model, opt, ids):
+    """Param indices in the order their grads reach the engine in one backward."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    seen = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append(index[id(p)]))
+               for p in model.parameters() if p.requires_grad]
+    model(input_ids=ids, labels=ids).loss.backward()
+    for h in handles:
+        h.remove()
+    opt.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_after_the_first_step_buckets_complete_in_index_order(name):
+    """The optimizer's order with the Trainer's groups puts every layer's norms and biases
+    in the first bucket (it completes last); Llama's registration order puts input norms
+    one bucket late. From the second backward on, every bucket completes in index order."""
+    ids = batches(1)[0]
+    model, opt = _engine(name)
+    first = [s.index for s in reversed([s for b in opt.buckets for s in b.layout.slots])]
+    assert opt.bucket_order != _arrivals(model, opt, ids)  # a wrong guess to start from
+    flushed = _flushes(opt)
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = list(flushed)
+    assert before != sorted(before)
+    opt.step()
+    opt.zero_grad()
+    assert opt.bucket_order == _arrivals(model, opt, ids)
+    assert sorted(opt.bucket_order) == sorted(first)
+    flushed.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert flushed == list(range(len(opt.buckets)))
+    assert opt.relayout_seconds is not None
+
+
+def _steps(model, opt, data):
+    """Params after each step, no clipping (the norm's sum order follows the buckets)."""
+    out = []
+    for ids in data:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_the_move_is_exact_in_every_state_dtype(state, compute):
+    """A run that re-lays out after step 1 is bitwise a run built in the final order from
+    the start (its order set before any step): params every step, and the host state per
+    param (masters and the moments as stored: 8-bit codes and scales included)."""
+    data = batches(4)
+    runs, order = [], None
+    for preset in (False, True):
+        model, opt = _engine("llama", state=state, compute=compute)
+        if preset:
+            opt.set_bucket_order(order)
+            assert opt.relayout_seconds is not None  # moved here, before any step
+            opt.relayout_seconds = None
+        params = _steps(model, opt, data)
+        if not preset:
+            order = opt.bucket_order
+            assert opt.relayout_seconds is not None and order != sorted(order, reverse=True)
+        else:
+            assert opt.relayout_seconds is None  # nothing moved during training
+        stored = {}
+        for b in opt.buckets:
+            for s in b.layout.slots:
+                own, _ = b.layout.owned(s)
+                st = b.state
+                stored[s.index] = [st.master[own].clone(), st.exp_avg[own].clone(),
+                                   st.exp_avg_sq[own].clone()]
+                if st.scales is not None:
+                    q = 256
+                    stored[s.index] += [t[own.start // q:-(-own.stop // q)].clone()
+                                        for t in st.scales]
+        runs.append((params, stored))
+    (pa, sa), (pb, sb) = runs
+    for step_a, step_b in zip(pa, pb):
+        for a, b in zip(step_a, step_b):
+            assert torch.equal(a, b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for a, b in zip(sa[k], sb[k]):
+            assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_checkpoints_carry_the_order_and_resume_bitwise(state):
+    """The saved run's buckets come back at load, before any backward, and the resumed run
+    continues bitwise as the uninterrupted one (8-bit codes land in the same blocks)."""
+    data = batches(5)
+    model, opt = _engine("llama", state=state, compute="bf16")
+    _steps(model, opt, data[:2])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    rest = _steps(model, opt, data[2:])
+
+    model2, opt2 = _engine("llama", state=state, compute="bf16")
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    assert ckpt["opt"]["zero_offload"]["bucket_order"] == opt.bucket_order
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.bucket_order == opt.bucket_order
+    resumed = _steps(model2, opt2, data[2:])
+    assert opt2.bucket_order == opt.bucket_order  # the first backward changed nothing
+    for step_a, step_b in zip(rest, resumed):
+        for a, b in zip(step_a, step_b):
+            assert torch.equal(a, b)
+
+
+def test_an_adamw_checkpoint_keeps_recording():
+    """A checkpoint without an order (torch's AdamW) leaves the first backward to decide."""
+    model, opt = _engine("llama")
+    ref = torch.optim.AdamW(decay_groups(model), lr=LR)
+    opt.load_state_dict(ref.state_dict())
+    guess = opt.bucket_order
+    _steps(model, opt, batches(1))
+    assert opt.bucket_order != guess
+
+
+def test_a_bad_saved_order_is_refused_before_any_change():
+    model, opt = _engine("gpt2")
+    _steps(model, opt, batches(1))
+    sd = opt.state_dict()
+    sd["zero_offload"]["bucket_order"] = "backwards"
+    before = opt.bucket_order
+    with pytest.raises(ValueError, match="bucket_order must be a list of param indices"):
+        opt.load_state_dict(sd)
+    assert opt.bucket_order == before
+
+
+def test_delayed_update_starts_after_the_relayout():
+    """The first step is synchronous while the buckets still move (warm-up 0 asked)."""
+    model, opt = _engine("gpt2", delayed_update=True, delayed_update_warmup_steps=0)
+    data = batches(3)
+    model(input_ids=data[0], labels=data[0]).loss.backward()
+    opt.step()
+    assert not opt.update_in_flight
+    opt.zero_grad()
+    model(input_ids=data[1], labels=data[1]).loss.backward()
+    opt.step()
+    assert opt.update_in_flight
+    opt.flush()
