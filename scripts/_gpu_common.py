@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,11 +101,12 @@ class Config:
     accum: int
     steps: int
     overflow_at: int | None = None  # fp16: an inf in the last micro-step of this step
+    module_waits: bool = False  # the engine gets model= (ParamModel): per-module waits
 
     @property
     def name(self) -> str:
         return (f"{self.dtype}, delayed {'on' if self.delayed else 'off'}, "
-                f"accum {self.accum}")
+                f"accum {self.accum}{', module waits' if self.module_waits else ''}")
 
 
 def skips(step: int, micro: int, i: int) -> bool:
@@ -146,10 +148,18 @@ def plugin(cfg: Config) -> ZeroOffloadPlugin:
 
 
 def make_engine(params, cfg: Config, **kwargs) -> ZeroOffloadOptimizer:
+    """The engine over ``params``; with ``cfg.module_waits`` built with ``model=`` a
+    `ParamModel` of them, which `train` then runs the loss through."""
     # two groups with different weight decay: one CPU-Adam call per group within a bucket
     groups = [{"params": params[:4], "weight_decay": 0.01},
               {"params": params[4:], "weight_decay": 0.0}]
-    return ZeroOffloadOptimizer(groups, lr=1e-2, plugin=plugin(cfg), **kwargs)
+    model = ParamModel(params) if cfg.module_waits else None
+    opt = ZeroOffloadOptimizer(groups, lr=1e-2, plugin=plugin(cfg), model=model, **kwargs)
+    _models[opt] = model
+    return opt
+
+
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its ParamModel
 
 
 def loss_of(params, cs, step: int, micro: int) -> torch.Tensor:
@@ -158,7 +168,31 @@ def loss_of(params, cs, step: int, micro: int) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
+class _Term(torch.nn.Module):
+    def __init__(self, p: torch.nn.Parameter):
+        super().__init__()
+        self.p = p
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.p.float() * c).sum()
+
+
+class ParamModel(torch.nn.Module):
+    """`loss_of` as a model, one module per param, for an engine built with ``model=``:
+    each term's module then waits only for its own param's bucket before it reads it."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.terms = torch.nn.ModuleList(_Term(p) for p in params)
+
+    def forward(self, cs, step: int, micro: int) -> torch.Tensor:
+        return torch.stack([t(c) for i, (t, c) in enumerate(zip(self.terms, cs))
+                            if not skips(step, micro, i)]).sum()
+
+
 def snapshot(opt, params) -> dict:
+    # per-module waits: only a forward would wait for the uploads; the reads below must
+    opt.copier.finish_uploads()
     snap = {"params": [p.detach().to("cpu", copy=True) for p in params],
             "skipped": opt.last_step_skipped, "scale": opt.loss_scaler.loss_scale,
             "norm": opt.grad_norm}
@@ -182,7 +216,9 @@ def train(opt, params, consts, *, device, no_sync=None, compute_sleep: int = 0,
             with opt.no_sync() if quiet else contextlib.nullcontext():
                 if compute_sleep:
                     torch.cuda._sleep(compute_sleep)
-                opt.backward(loss_of(params, cs, step, micro))
+                model = _models.get(opt)
+                opt.backward(loss_of(params, cs, step, micro) if model is None
+                             else model(cs, step, micro))
         opt.step()
         opt.zero_grad()  # what loops do next; must not wait for a delayed update
         trace.append(snapshot(opt, params))

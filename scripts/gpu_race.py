@@ -44,10 +44,12 @@ SCRIPT = "gpu_race.py"
 def configs(short: bool, steps: int | None = None) -> list[Config]:
     if short:
         n = steps or 4
-        return [Config("fp16", False, 3, n, overflow_at=1), Config("bf16", True, 3, n),
-                Config("fp32", True, 1, n)]
+        return [Config("fp16", False, 3, n, overflow_at=1),
+                Config("bf16", True, 3, n, module_waits=True), Config("fp32", True, 1, n)]
     n = steps or 8
-    return [Config(dtype, delayed, accum, n, overflow_at=3 if dtype == "fp16" else None)
+    # half of them with per-module forward waits (model=), each delayed-update mode both ways
+    return [Config(dtype, delayed, accum, n, overflow_at=3 if dtype == "fp16" else None,
+                   module_waits=accum == 3)
             for dtype in ("fp16", "bf16", "fp32") for delayed in (False, True)
             for accum in (1, 3)]
 
