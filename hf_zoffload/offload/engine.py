@@ -359,9 +359,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self._run(work, upload=True)
                 self._watch.note_written()
         self._reset_window()
-        order = self._arrival.order(self._fill) if self._arrival is not None else None
-        if order is not None:
-            self.set_bucket_order(order)
+        if self._arrival is not None:  # the first step, on every rank alike
+            self.set_bucket_order(self._arrival.order(self._fill))
         self._t_step_end = time.perf_counter()
         return loss
 

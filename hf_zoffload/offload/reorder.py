@@ -8,7 +8,8 @@ launch in bucket order) while their device buffers stay alive. So the engine bui
 first buckets from a guess (layout.py), records which param's gradient arrives when in its
 first backward (`ArrivalOrder`), and at the end of the first step, when no gradient is held
 anywhere, moves the host state into buckets filled in that order (`relayout`). With N ranks
-the first rank's order is used on every rank that shares the buckets (``exchange.agree``).
+every rank takes that decision at its first step, and the first rank's order is used on
+every rank that shares the buckets (``exchange.agree``).
 
 The move is exact in every ``state_dtype``: masters and fp32 / bf16 moments are copied;
 8-bit moments are decoded and encoded again, which gives back the same codes and scales
@@ -45,11 +46,10 @@ class ArrivalOrder:
         if self._seen:
             self.recording = False
 
-    def order(self, fill: list[int]) -> list[int] | None:
+    def order(self, fill: list[int]) -> list[int]:
         """The fill order of every param of ``fill`` (the current one): those seen, as
-        they arrived, then the others as they are now. None while none was recorded."""
-        if self.recording:
-            return None
+        they arrived, then the others as they are now (all of them, if this rank saw no
+        gradient: with N ranks the first rank's order is the one used)."""
         known = set(fill)
         seen = [i for i in self._seen if i in known]
         return seen + [i for i in fill if i not in self._seen]

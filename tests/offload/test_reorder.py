@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload import reorder as reorder_mod
 from tests._tiny import MODELS, batches, decay_groups
 
 LR = 3e-3
@@ -176,3 +177,14 @@ def test_delayed_update_starts_after_the_relayout():
     opt.step()
     assert opt.update_in_flight
     opt.flush()
+
+
+def test_arrival_order_keeps_the_first_backward_and_completes_it():
+    a = reorder_mod.ArrivalOrder()
+    fill = [5, 4, 3, 2, 1, 0]
+    assert a.order(fill) == fill  # nothing seen (a rank without grads): as it is
+    for i in (2, 9, 2, 4):  # 9: not a param of this engine; repeats count once
+        a.note(i)
+    a.stop()
+    a.note(0)  # a later backward changes nothing
+    assert a.order(fill) == [2, 4, 5, 3, 1, 0]
