@@ -212,9 +212,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.copier.wait_landed(b.layout.index)
             self.copier.wait_uploaded(b.layout.index)
         t0 = time.perf_counter()
+        # Drop every view of the old pool first: its pinned blocks go back to torch's
+        # cache, where the new pool's blocks of the same sizes come from.
+        pin, self.host_pool = self.host_pool.pin, None
+        self.exchange.attach([], self._check, None)
         pool, buckets = relayout(
             self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-            state_dtype=self.plugin.state_dtype, pin=self.host_pool.pin, **self._cut)
+            state_dtype=self.plugin.state_dtype, pin=pin, **self._cut)
         self._install(order, pool, buckets)
         self._reset_window()
         self.relayout_seconds = time.perf_counter() - t0

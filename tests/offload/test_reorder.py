@@ -4,7 +4,9 @@ state_dtype, and checkpoints carry the order."""
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -188,3 +190,12 @@ def test_arrival_order_keeps_the_first_backward_and_completes_it():
     a.stop()
     a.note(0)  # a later backward changes nothing
     assert a.order(fill) == [2, 4, 5, 3, 1, 0]
+
+
+def test_the_old_buckets_and_pool_are_freed():
+    """Nothing keeps the old host buffers (pinned on a GPU machine) alive after the move."""
+    model, opt = _engine("llama", compute="bf16")
+    pool, state = weakref.ref(opt.host_pool), weakref.ref(opt.buckets[0].state)
+    _steps(model, opt, batches(1))
+    gc.collect()
+    assert opt.relayout_seconds is not None and pool() is None and state() is None
