@@ -27,7 +27,7 @@ import torch
 
 from .host import HostPool
 from .layout import build_layouts
-from .state import Bucket, empty_state
+from .state import Bucket, empty_state, zero_gaps
 
 
 class ArrivalOrder:
@@ -73,8 +73,11 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
         full = exchange.gather_all(b, [b.state.master, *b.state.moments_fp32()])
         for old in b.layout.slots:
             lay, new = home[old.index]
-            if states[lay.index] is None:
-                states[lay.index] = empty_state(lay, dtype, pool=pool, state_dtype=state_dtype)
+            if states[lay.index] is None:  # not zeroed: the first touch of each page is
+                # the copy below (zeroing first doubled the move's time, page faults)
+                states[lay.index] = empty_state(lay, dtype, pool=pool, state_dtype=state_dtype,
+                                                zero=False)
+                zero_gaps(lay, states[lay.index])
             own, mine = lay.owned(new)  # host slice of the new shard, slice of the param
             if own.start == own.stop:
                 continue

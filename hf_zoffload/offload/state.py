@@ -89,18 +89,33 @@ class HostState:
 
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
-                state_dtype: str = "fp32") -> HostState:
+                state_dtype: str = "fp32", zero: bool = True) -> HostState:
     """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
-    every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``."""
-    kind = STATE_DTYPES[state_dtype]
-    state = HostState(master=torch.zeros(layout.shard, dtype=torch.float32),
-                      exp_avg=torch.zeros(layout.shard, dtype=kind),
-                      exp_avg_sq=torch.zeros(layout.shard, dtype=kind),
+    every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
+    ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`)."""
+    kind, make = STATE_DTYPES[state_dtype], torch.zeros if zero else torch.empty
+    state = HostState(master=make(layout.shard, dtype=torch.float32),
+                      exp_avg=make(layout.shard, dtype=kind),
+                      exp_avg_sq=make(layout.shard, dtype=kind),
                       grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)))
     if kind == torch.uint8:
-        state.scales = (torch.zeros(n_blocks(layout.shard)),
-                        torch.zeros(n_blocks(layout.shard)))
+        state.scales = (make(n_blocks(layout.shard)), make(n_blocks(layout.shard)))
     return state
+
+
+def zero_gaps(layout: BucketLayout, state: HostState) -> None:
+    """Zero every element of ``state`` outside this shard's params (alignment gaps, the
+    padding) and every 8-bit block scale with no param element in its block."""
+    covered = sorted((own.start, own.stop) for own, _ in map(layout.owned, layout.slots)
+                     if own.start < own.stop)
+    at, blocks = 0, 0
+    for lo, hi in [*covered, (layout.shard, layout.shard)]:
+        for t in (state.master, state.exp_avg, state.exp_avg_sq):
+            t[at:lo].zero_()
+        if state.scales is not None:
+            for t in state.scales:
+                t[blocks:lo // QBLOCK].zero_()
+        at, blocks = max(at, hi), max(blocks, -(-hi // QBLOCK))
 
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,

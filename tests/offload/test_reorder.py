@@ -199,3 +199,29 @@ def test_the_old_buckets_and_pool_are_freed():
     _steps(model, opt, batches(1))
     gc.collect()
     assert opt.relayout_seconds is not None and pool() is None and state() is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_zero_gaps_zeroes_exactly_what_no_param_covers(rank):
+    from hf_zoffload.offload.host import HostPool
+    from hf_zoffload.offload.layout import Slot, build_layouts
+    from hf_zoffload.offload.state import empty_state, zero_gaps
+
+    slots = [Slot(None, i, 0, 0, n) for i, n in enumerate((5, 300, 7, 1000, 33, 256))]
+    layouts = build_layouts(slots, bucket_numel=900, rank=rank, world=2, align=256)
+    pool = HostPool(layouts, pin=False)
+    assert len(layouts) > 1
+    for lay in layouts:
+        st = empty_state(lay, torch.bfloat16, pool=pool, state_dtype="int8", zero=False)
+        for t in (st.master, st.exp_avg, st.exp_avg_sq, *st.scales):
+            t.fill_(7)
+        zero_gaps(lay, st)
+        for s in lay.slots:  # what the move writes: each param's elements, its blocks' scales
+            own, _ = lay.owned(s)
+            for t in (st.master, st.exp_avg, st.exp_avg_sq):
+                assert (t[own] == 7).all()
+                t[own] = 0
+            for t in st.scales:
+                t[own.start // 256:-(-own.stop // 256)] = 0
+        for t in (st.master, st.exp_avg, st.exp_avg_sq, *st.scales):
+            assert (t == 0).all()
