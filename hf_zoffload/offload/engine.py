@@ -466,12 +466,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         return checkpoint.state_dict(self)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the state onto rank ``to``, a collective: every rank calls it. Then
-        ``state_dict()`` on rank ``to`` alone returns it, once, until the next step. In one
-        process there is nothing to gather and this does nothing."""
+        """Gather the state onto rank ``to``, a collective: every rank calls it (data or
+        tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
+        the next step. In one process there is nothing to gather and this does nothing."""
         self._drain()
         self._consolidated = checkpoint.state_dict(self, to=to) \
-            if self.exchange.world > 1 else None
+            if self.exchange.spans_ranks else None
 
     def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
         """A full-precision ``model.state_dict()``: each param this optimizer trains

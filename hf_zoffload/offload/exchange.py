@@ -7,6 +7,7 @@ all-gather). `tensor_parallel.TensorParallelExchange` wraps either for DTensor p
 rank's buckets hold its local shards). The interface, in the order a step calls it:
 
 - ``rank``, ``world``: which shard of every bucket this rank holds (layout.py);
+  ``spans_ranks``: whether the state is spread over ranks (checkpoints are collectives);
   ``initial_values(layout)``: the values every rank starts from (None: the params' own);
   ``attach(buckets, check, pool)`` once the buckets exist (``check(buf, bucket)`` runs the
   inf/nan and squared-norm kernel on a buffer of ``bucket`` about to leave for the host;
@@ -56,6 +57,7 @@ class LocalExchange:
     """One process: every bucket's whole gradient lands in its host state."""
 
     rank, world = 0, 1
+    spans_ranks = False  # state_dict() needs no collective
 
     def __init__(self, copier):
         self.copier = copier

@@ -62,6 +62,7 @@ class PartitionedExchange:
                  engine_sync, pool: HostPool | None = None):
         self.coll = Collectives(group, device=device)
         self.rank, self.world = self.coll.rank, self.coll.world
+        self.spans_ranks = True
         self.copier = copier
         self.pool = pool  # the engine's; set by attach at the latest
         self.dtype = dtype

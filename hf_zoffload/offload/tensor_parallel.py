@@ -43,9 +43,11 @@ class TensorParallelExchange:
     def __init__(self, inner, *, mesh, tp: int, stats_group, device: torch.device):
         self.inner = inner
         self.rank, self.world = inner.rank, inner.world  # how buckets are sharded (layout.py)
+        self.spans_ranks = True  # the shards are gathered over the tensor-parallel ranks
         self.mesh, self.tp = mesh, tp
         self.coll = Collectives(stats_group, device=device)
         self.buckets: list[Bucket] = []
+        self._to = 0  # the rank the last `gather` was for: `whole` keeps tensors there only
 
     @property
     def copier(self):
@@ -123,12 +125,16 @@ class TensorParallelExchange:
             raise ValueError(f"with tensor parallelism the state is gathered on one of the "
                              f"first data-parallel rank's {self.tp} tensor-parallel ranks; "
                              f"got to={to}")
+        self._to = to
         return self.inner.gather(b, shards, to=0)
 
     def whole(self, parts: list) -> list:
         """(slot, [flat local tensors]) in param-index order (the same on every rank) ->
-        the whole tensors, on every rank of the tensor-parallel group (CPU)."""
-        out = []
+        the whole tensors (CPU) on the rank the last `gather` was for. The other ranks of
+        the tensor-parallel group take part in each all-gather and keep an empty tensor for
+        each sharded one (their callers return nothing), so that no rank but the saving one
+        holds the whole state (12 B per param of the model, fp32)."""
+        keep, out = self.receives(self._to), []
         with self.coll.guard("all-gather of the tensor-parallel shards of the optimizer "
                              "state"):
             for s, ts in parts:
@@ -138,10 +144,10 @@ class TensorParallelExchange:
                     continue
                 dev = p.device_mesh.device_type
                 shape = s.local().shape
-                out.append([DTensor.from_local(t.view(shape).to(dev), p.device_mesh,
-                                               p.placements, run_check=False, shape=p.shape,
-                                               stride=p.stride()).full_tensor().cpu()
-                            for t in ts])
+                full = (DTensor.from_local(t.view(shape).to(dev), p.device_mesh, p.placements,
+                                           run_check=False, shape=p.shape,
+                                           stride=p.stride()).full_tensor() for t in ts)
+                out.append([f.cpu() if keep else f.new_empty(0) for f in full])
         self.coll.sent["all_gather"] += sum(t.numel() * t.element_size()
                                             for _, ts in parts for t in ts)
         return out
