@@ -5,6 +5,8 @@
 Runs offline on local files. With no model, config or data given it trains a small GPT-2
 from scratch on the Python standard library's own sources, with a tokenizer built from them.
 Reports train loss, eval loss and perplexity, and saves the model to --output_dir.
+With --tp_size N (and --zero_offload) the model is tensor parallel over N ranks of the
+launch (torchrun, accelerate launch), data parallel over the rest.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 # Runnable from a checkout without installing: scripts/.. is the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_zoffload.integrations import defaults  # noqa: E402
+from hf_zoffload.integrations import defaults, parallel  # noqa: E402
 from hf_zoffload.integrations.trainer import (  # noqa: E402
     ZeroOffloadTrainer,
     ZeroOffloadTrainingArguments,
@@ -43,6 +45,12 @@ class ModelArguments:
         "help": "Local tokenizer directory. Unset: the model's, or one trained on the data."})
     vocab_size: int = field(default=2048, metadata={
         "help": "Vocabulary size of a tokenizer trained on the data."})
+    tp_size: int = field(default=1, metadata={
+        "help": "Tensor-parallel ranks (needs --zero_offload and a model with a transformers "
+                "tensor-parallel plan, e.g. llama); the launch's other ranks are data "
+                "parallel. A pretrained model is loaded sharded when every rank is tensor "
+                "parallel, else whole on every rank; one trained from scratch is built whole "
+                "with the same seed on every rank. The Trainer shards what is whole."})
 
 
 @dataclass
@@ -91,6 +99,33 @@ def check_sources(margs: ModelArguments, data: DataArguments, *, do_train: bool 
             raise ValueError(message)
 
 
+def tensor_parallel(margs: ModelArguments, args) -> int:
+    """Set ``args.parallelism_config`` for ``--tp_size`` (data parallel over the other
+    ranks); returns the data-parallel size. Conflicting options raise."""
+    from accelerate import ParallelismConfig
+
+    tp = margs.tp_size
+    if tp < 1:
+        raise ValueError(f"--tp_size must be >= 1, got {tp}")
+    if tp == 1:
+        return 1  # not used: no sharded loading
+    if not args.zero_offload:
+        raise ValueError("--tp_size needs --zero_offload (the offload Trainer shards the model "
+                         "and trains its shards)")
+    if args.parallelism_config is not None:
+        raise ValueError("--tp_size and --parallelism_config both set: give one")
+    launched = os.environ.get("PARALLELISM_CONFIG_TP_SIZE")
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" and \
+            launched not in (None, str(tp)):
+        raise ValueError(f"--tp_size {tp} conflicts with accelerate launch's "
+                         f"--parallelism_config_tp_size {launched}: give one")
+    world = args.world_size
+    if world % tp:
+        raise ValueError(f"--tp_size {tp} does not divide the {world} launched processes")
+    args.parallelism_config = ParallelismConfig(tp_size=tp, dp_shard_size=world // tp)
+    return world // tp
+
+
 def load_texts(data: DataArguments):
     """A DatasetDict with 'train' and 'validation' splits of raw text."""
     from datasets import Dataset, DatasetDict, load_dataset
@@ -126,11 +161,16 @@ def load_texts(data: DataArguments):
     return raw
 
 
-def build_model(margs: ModelArguments, tokenizer, block_size: int):
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+def build_model(margs: ModelArguments, tokenizer, block_size: int, *, dp: int = 1):
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DistributedConfig
 
     if margs.model_name_or_path:
-        return _causal_loss(AutoModelForCausalLM.from_pretrained(margs.model_name_or_path))
+        # every rank tensor parallel: each reads its shards (transformers' sharded loading);
+        # with data-parallel ranks too that would need FSDP, so the model loads whole and
+        # the Trainer shards it
+        kw = {"distributed_config": DistributedConfig(tp_size=margs.tp_size)} \
+            if margs.tp_size > 1 and dp == 1 else {}
+        return _causal_loss(AutoModelForCausalLM.from_pretrained(margs.model_name_or_path, **kw))
     if margs.config_name:
         config = AutoConfig.from_pretrained(margs.config_name)
     elif margs.model_type:
@@ -195,6 +235,7 @@ def main(argv=None) -> dict:
         margs, data, args = parser.parse_args_into_dataclasses(args=argv)
 
     check_sources(margs, data, do_train=args.do_train)
+    dp = tensor_parallel(margs, args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stdout)
     level = logging.INFO if args.should_log else logging.WARNING
@@ -213,7 +254,12 @@ def main(argv=None) -> dict:
         tokenizer = defaults.train_tokenizer(texts, vocab_size=margs.vocab_size)
     scratch = not (margs.model_name_or_path or margs.config_name or margs.model_type)
     block_size = data.block_size or (64 if scratch else min(tokenizer.model_max_length, 1024))
-    model = build_model(margs, tokenizer, block_size)
+    # every rank builds the same weights, whatever ran since the first seeding (a tensor-
+    # parallel rank keeps its part of its own copy)
+    set_seed(args.seed)
+    model = build_model(margs, tokenizer, block_size, dp=dp)
+    if margs.tp_size > 1 and parallel.model_tp_size(model) == 1:
+        parallel.tp_plan(model, margs.tp_size)  # no plan, heads or ties that do not fit: now
     n_pos = getattr(model.config, "n_positions", None) or \
         getattr(model.config, "max_position_embeddings", None)
     if n_pos and block_size > n_pos:

@@ -23,7 +23,8 @@ the host. Saving (``save_model``, ``save_state``, ``get_state_dict``) gives the 
 (``save_dtype``, `core.saved_state_dict`). A `ZeroOffloadOptimizer` built by hand is taken
 as is. The wiring shared with `ZeroOffloadTrainer` (accelerate's optimizer wrapper, the
 clip route and fp16 loss scaler on this accelerator, the frozen-param cast, the flush before
-saving) is `hf_zoffload.integrations.core`. Settings: arguments > HF_ZOFFLOAD_* > the sidecar
+saving) is `hf_zoffload.integrations.core`; tensor parallelism's setup is
+`hf_zoffload.integrations.parallel`. Settings: arguments > HF_ZOFFLOAD_* > the sidecar
 yaml named by HF_ZOFFLOAD_CONFIG; HF_ZOFFLOAD_ENABLED=false (or `zero_offload: false` in the
 sidecar) makes it plain `accelerator.prepare`.
 
@@ -44,7 +45,7 @@ from accelerate.utils import DistributedType
 
 from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
-from . import core
+from . import core, parallel
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
 
@@ -87,7 +88,7 @@ def _check_dtype(accelerator, plugin) -> None:
             f"{plugin.compute_dtype}: make them agree (or set accelerate's to 'no').")
 
 
-def _engine_from_adam(opt: torch.optim.Optimizer, plugin, *, order):
+def _engine_from_adam(opt: torch.optim.Optimizer, plugin, *, models, sharded, process_group):
     if opt.state:
         raise ValueError(
             f"{type(opt).__name__} has already stepped; its state cannot move to the host: "
@@ -104,13 +105,18 @@ def _engine_from_adam(opt: torch.optim.Optimizer, plugin, *, order):
                 f"param group {i}: torch.optim.Adam's weight_decay={g['weight_decay']} is an "
                 "L2 term added to the gradient; ZeRO-Offload decays as AdamW does. Use "
                 "torch.optim.AdamW, or weight_decay=0.")
-        groups.append({"params": list(g["params"]),  # the engine skips frozen ones
+        # the engine skips frozen ones; `sharded`: the params tensor parallelism replaced
+        groups.append({"params": [sharded.get(id(p), p) for p in g["params"]],
                        "lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]),
                        "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])})
     first = groups[0]
     engine = ZeroOffloadOptimizer(groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
                                   weight_decay=first["weight_decay"], plugin=plugin,
-                                  param_order=order)
+                                  # buckets by the models' layers, not by the groups; one
+                                  # model: its modules wait for their own params' uploads
+                                  param_order=[p for m in models for p in m.parameters()],
+                                  model=models[0] if len(models) == 1 else None,
+                                  process_group=process_group)
     # Keys a scheduler built on `opt` put in its groups (initial_lr, OneCycleLR's max_lr and
     # min_lr, ...) are read back by that scheduler: they move over. torch's own Adam options
     # stay behind (checked above or meaningless for the CPU-Adam).
@@ -164,6 +170,12 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     the sidecar yaml. ``enabled`` (default HF_ZOFFLOAD_ENABLED, then the sidecar's
     ``zero_offload``, then True) False: plain ``accelerator.prepare``. Returns what
     ``accelerator.prepare`` returns, the optimizer being accelerate's wrapper of the engine.
+
+    Tensor parallelism: ``Accelerator(parallelism_config=ParallelismConfig(tp_size=N))``
+    (``hf_zoffload.integrations.parallel.ParallelismConfig`` on CPU processes). A whole
+    model (the same weights on every rank) is sharded here with its transformers plan, before
+    the engine is built over the AdamW's groups; one already sharded must match ``tp_size``.
+    Data parallelism over the other ranks is ``dp_shard_size`` (integrations/parallel.py).
     """
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     models = [m for m in objects if isinstance(m, torch.nn.Module)]
@@ -187,11 +199,24 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
                          f"got {len(optimizers)}")
     _check_accelerator(accelerator)
     old = optimizers[0]
+    tp, _ = parallel.parallel_sizes(accelerator.parallelism_config, accelerator.num_processes)
+    if tp > 1 and accelerator.project_configuration.save_on_each_node:
+        raise ValueError("ZeRO-Offload with tensor parallelism saves on the first rank only (the "
+                         "weights and optimizer state are gathered there): drop "
+                         "save_on_each_node")
+    trained_here = [m for m in models if core.trains(m, old)]
     if isinstance(old, ZeroOffloadOptimizer):
         engine = old
         if plugin is not None or settings:
             raise TypeError("the ZeroOffloadOptimizer has its plugin already; pass settings to "
                             "it, not to prepare_zero_offload")
+        for m in trained_here:
+            if tp > 1 and parallel.model_tp_size(m) == 1:  # sharding it would strand the engine
+                raise ValueError(f"the ZeroOffloadOptimizer was built on a whole model, but the "
+                                 f"parallelism_config says tp_size={tp}: build it after the "
+                                 "model is sharded, or pass a torch AdamW (prepare_zero_offload "
+                                 "then shards the model first)")
+            parallel.setup(accelerator, m)  # sizes that do not fit raise; nothing to shard
     else:
         if not isinstance(old, torch.optim.Adam):  # AdamW subclasses Adam since torch 2.6
             raise TypeError(f"{type(old).__name__} cannot be offloaded; allowed: "
@@ -199,12 +224,16 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
         plugin = plugin or _plugin(accelerator, settings)
         _check_dtype(accelerator, plugin)
         plugin.check_device(torch.device(accelerator.device).type)
+        # tensor parallelism: a whole model is sharded before it moves to the device
+        sharded = {}
+        for m in trained_here:
+            sharded.update(parallel.setup(accelerator, m))
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
                 if not accelerator.verify_device_map(m):
                     m.to(accelerator.device)
-        # buckets by the models' layers, not by the optimizer's groups
-        engine = _engine_from_adam(old, plugin, order=[p for m in models for p in m.parameters()])
+        engine = _engine_from_adam(old, plugin, models=models, sharded=sharded,
+                                   process_group=parallel.data_parallel_group(accelerator))
         _repoint_schedulers(objects, old, engine)
     _check_dtype(accelerator, engine.plugin)
     if accelerator.device_placement:

@@ -23,6 +23,10 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
   through it, and `install` routes ``accelerator.get_state_dict`` (``save_model``,
   ``save_state``) to it. ``save_pretrained`` of a trained model writes ``dtype: float32``
   into its config when given such a dict, so ``from_pretrained`` loads what was saved.
+- Tensor parallelism: the saved weights (masters, or with ``save_dtype=compute`` the model's
+  tensors) and the optimizer state (the engine's ``consolidate_state_dict``) are
+  gathered whole onto the first rank, every rank taking part; a checkpoint loads with any
+  tensor-parallel size, or none.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "MasterWeights", "engine_params",
-           "trains", "prepare_models", "saved_state_dict", "install", "attached_engine"]
+__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
+           "engine_params", "tensor_parallel", "trains", "prepare_models", "saved_state_dict",
+           "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
 # the copy times exist on CUDA only and are logged only where they were reported.
@@ -98,6 +105,11 @@ def engine_params(engine) -> list[torch.nn.Parameter]:
     return [p for g in engine.param_groups for p in g["params"]]
 
 
+def tensor_parallel(engine) -> bool:
+    """Whether the engine trains tensor-parallel (DTensor) params."""
+    return any(isinstance(p, DTensor) for p in engine_params(engine))
+
+
 def trains(model: torch.nn.Module, engine) -> bool:
     """Whether ``model`` holds at least one of the engine's params."""
     ours = {id(p) for p in engine_params(engine)}
@@ -125,9 +137,11 @@ def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.M
 
 
 # --------------------------------------------------------------------------- saving
-class MasterWeights(OrderedDict):
-    """A model state dict whose trained params are the fp32 master weights. An OrderedDict,
-    so accelerate's safetensors path drops tied duplicates as it does for ``state_dict()``."""
+class WholeWeights(OrderedDict):
+    """A model state dict of whole tensors gathered from tensor-parallel shards (or the
+    master weights): `_save_pretrained` writes it as is, without transformers' own gather.
+    An OrderedDict, so accelerate's safetensors path drops tied duplicates as it does for
+    ``state_dict()``."""
 
     def __reduce__(self):
         # Pickled (save_state with safe_serialization=False) as a plain OrderedDict, so that
@@ -135,25 +149,34 @@ class MasterWeights(OrderedDict):
         return OrderedDict, (list(self.items()),)
 
 
+class MasterWeights(WholeWeights):
+    """A model state dict whose trained params are the fp32 master weights."""
+
+
 def saved_state_dict(engine, model: torch.nn.Module, *, saves_here: bool):
     """The weights to save for ``model`` (the unwrapped model the engine trains), or None.
 
-    ``save_dtype=compute``: None (the caller saves ``model.state_dict()`` as usual). ``fp32``:
-    a `MasterWeights` on each rank where ``saves_here``, None elsewhere; with N ranks a
-    collective every rank enters (the masters are sharded)."""
+    ``save_dtype=compute``: None (the caller saves ``model.state_dict()`` as usual), but with
+    tensor parallelism a `WholeWeights` of the model's tensors gathered whole. ``fp32``: a
+    `MasterWeights` on each rank where ``saves_here``, None elsewhere. With N ranks (or
+    tensor parallelism) a collective every rank enters; with tensor parallelism the first
+    rank is the one saving rank (the integrations refuse save_on_each_node)."""
+    tp = tensor_parallel(engine)
     if engine.plugin.save_dtype != "fp32":
-        return None
+        return _whole_model(model, saves_here=saves_here) if tp else None
     ex = engine.exchange
-    targets = [0]
-    if ex.world > 1:
+    targets, rank = [0], ex.rank
+    if tp:
+        rank = dist.get_rank()  # the engine gathers onto a global rank (ex.rank is the dp one)
+    elif ex.world > 1:
         # The saving ranks: rank 0, or each node's first with save_on_each_node.
         flags = [None] * ex.world
-        torch.distributed.all_gather_object(flags, bool(saves_here))
+        dist.all_gather_object(flags, bool(saves_here))
         targets = [r for r, f in enumerate(flags) if f]
     out = None
-    for rank in targets:
-        sd = engine.master_state_dict(model, to=rank)
-        if rank == ex.rank:
+    for target in targets:
+        sd = engine.master_state_dict(model, to=target)
+        if target == rank:
             out = sd
     if out is None:
         return None
@@ -166,12 +189,32 @@ def saved_state_dict(engine, model: torch.nn.Module, *, saves_here: bool):
     return shared
 
 
+def _whole_model(model: torch.nn.Module, *, saves_here: bool):
+    """``model.state_dict()`` with each DTensor gathered whole (a collective per DTensor, in
+    the same order on every rank), CPU tensors, on the first rank only."""
+    out, rank = WholeWeights(), dist.get_rank()
+    for name, t in model.state_dict().items():
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank == 0:
+            out[name] = t.detach().cpu() if isinstance(t, torch.Tensor) else t
+    return out if rank == 0 and saves_here else None
+
+
 def _save_pretrained(model, save_directory, *args, state_dict=None, **kwargs):
     """``save_pretrained`` of a model the engine trains. transformers writes the params' dtype
     into the config (``dtype``), which ``from_pretrained`` loads in; given the fp32 master
     weights the config must say float32, or the fp32 file would be loaded as 16-bit."""
-    out = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict,
-                                      **kwargs)
+    # A model sharded at load time gathers its shards inside save_pretrained and then waits
+    # for every rank at a barrier; the dict given is whole already and only this rank saves.
+    sharded_at_load = getattr(model.config, "distributed_config", None)
+    if isinstance(state_dict, WholeWeights):
+        model.config.distributed_config = None
+    try:
+        out = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict,
+                                          **kwargs)
+    finally:
+        if sharded_at_load is not None:
+            model.config.distributed_config = sharded_at_load
     if isinstance(state_dict, MasterWeights) and kwargs.get("is_main_process", True):
         written = model.config.dtype
         model.config.dtype = "float32"
@@ -262,7 +305,9 @@ class _MasterStateDict:
     trains, with ``save_dtype=fp32``, the fp32 master weights on the saving rank(s) and None
     on the others (accelerate's ``save_model`` then writes nothing there, and ``save_state``
     writes only on the saving ranks anyway); every rank must call it, as it must for
-    ``save_model`` and ``save_state``. Other models and ``save_dtype=compute``: accelerate's."""
+    ``save_model`` and ``save_state``. With tensor parallelism, ``save_dtype=compute`` too
+    gives the model's tensors gathered whole. Other models and ``save_dtype=compute``:
+    accelerate's."""
 
     def __init__(self, accelerator, engine, own):
         self.accelerator, self.engine, self.own = accelerator, engine, own
@@ -270,7 +315,8 @@ class _MasterStateDict:
     def __call__(self, model, unwrap=True):
         acc = self.accelerator
         inner = acc.unwrap_model(model)
-        if self.engine.plugin.save_dtype != "fp32" or not trains(inner, self.engine):
+        if not trains(inner, self.engine) or (self.engine.plugin.save_dtype != "fp32"
+                                              and not tensor_parallel(self.engine)):
             return self.own(model, unwrap=unwrap)
         each_node = acc.project_configuration.save_on_each_node
         saves = acc.is_main_process or (each_node and acc.is_local_main_process)

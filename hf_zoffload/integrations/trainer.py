@@ -34,6 +34,13 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   (unscaled global norm).
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+- Tensor parallelism: ``parallelism_config`` (``tp_size``, and ``dp_shard_size`` for data
+  parallelism over the other ranks), from the arguments or from a model sharded at load
+  time. A whole model is sharded
+  with its transformers plan before it is placed (`create_accelerator_and_postprocess`,
+  `call_model_init`); accelerate's data loader gives the tensor-parallel ranks the same
+  batches; the engine trains the local shards and averages over the data-parallel group;
+  checkpoints and saved weights are gathered whole (integrations/parallel.py).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
-from . import core
+from . import core, parallel
 from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
 
 logger = logging.getLogger(__name__)
@@ -125,14 +132,58 @@ class ZeroOffloadTrainer(Trainer):
         self._memory_logged = False
         self.add_callback(_MemoryReport(self))
 
+    # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
+    # makes the stock Trainer refuse optimizer checkpoints, average the gradients of its plain
+    # params in a hook of its own (which would find them already taken by the engine's) and
+    # keep every rank in `_save`. With offload the engine reduces the gradients, and the
+    # optimizer state and saved weights are gathered whole (`save_model`,
+    # `_save_optimizer_and_scheduler`): such a model is trained as one sharded here.
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        return getattr(self, "_sharded_at_load", False) and not self.zero_offload
+
+    @is_distributed_loading_by_transformers.setter
+    def is_distributed_loading_by_transformers(self, value: bool) -> None:
+        self._sharded_at_load = bool(value)
+
     @property
     def zero_offload(self) -> bool:
         return bool(getattr(self.args, "zero_offload", False))
+
+    # Tensor parallelism (parallelism_config with tp_size > 1, from TrainingArguments or the
+    # environment accelerate reads): a whole model is sharded with its
+    # tensor-parallel plan once the accelerator's device mesh exists and before it is placed
+    # on the device, so that no device holds it whole (integrations/parallel.py).
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if not self.zero_offload:
+            return
+        tp, _ = parallel.parallel_sizes(self.accelerator.parallelism_config,
+                                        self.accelerator.num_processes)
+        if tp > 1 and self.args.save_on_each_node:
+            raise ValueError("zero_offload=True with tensor parallelism saves on the first rank "
+                             "only (the weights and optimizer state are gathered there): drop "
+                             "--save_on_each_node")
+        if self.model is not None:
+            self._shard(self.model)
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        if self.zero_offload:
+            self._shard(model)
+        return model
+
+    def _shard(self, model) -> None:
+        check_model(model)
+        parallel.setup(self.accelerator, model)
 
     def _build_accelerator_args(self, **kwargs):
         out = super()._build_accelerator_args(**kwargs)
         if self.zero_offload:
             out["mixed_precision"] = "no"  # the engine does mixed precision (module docstring)
+            # also accepted with CPU processes (parallel.ParallelismConfig)
+            out["parallelism_config"] = parallel.parallelism_config(
+                out.get("parallelism_config"))
         return out
 
     @property
@@ -157,7 +208,9 @@ class ZeroOffloadTrainer(Trainer):
                 [g for g in groups if g["params"]], lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
                 weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin(),
-                param_order=opt_model.parameters())  # buckets by layer, not by group
+                model=opt_model,  # buckets by layer, not by group; per-module upload waits
+                # tensor x data parallel: the ranks whose batches differ (None: the world)
+                process_group=parallel.data_parallel_group(self.accelerator))
             # The fp16 loss scaler and the clip route, on this accelerator only: the Trainer
             # clips (and reads grad_norm) through accelerator.clip_grad_norm_(
             # model.parameters(), ...); the grads are on the host by then. replace: with

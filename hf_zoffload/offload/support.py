@@ -116,26 +116,21 @@ def check_clip_args(max_norm, norm_type, error_if_nonfinite) -> None:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """For the integrations: the model must reach the engine unwrapped and unsharded.
+    """For the integrations: the model must reach the engine unwrapped, not FSDP-sharded.
 
     The engine averages gradients itself; DistributedDataParallel around the model would
-    all-reduce them a second time and keep a full gradient copy on the device. Tensor
-    parallelism works with `ZeroOffloadOptimizer` itself; the integrations do not pass it
-    through yet."""
+    all-reduce them a second time and keep a full gradient copy on the device. FSDP shards
+    the params the engine keeps whole on each data-parallel rank. Tensor-parallel params
+    (DTensor, on a tensor-parallel mesh) are trained through their local shards, as
+    `check_params` allows."""
     if isinstance(model, DistributedDataParallel):
         raise ValueError("ZeRO-Offload averages gradients itself: do not wrap the model in "
                          "DistributedDataParallel (prepare it without DDP)")
     if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
             type(m).__name__.startswith("FSDP") for m in model.modules()):
         raise ValueError("ZeRO-Offload with FSDP is not supported yet")
-    for attr in ("tp_size", "fsdp_size"):
-        if (getattr(model, attr, None) or 1) > 1:
-            raise ValueError(f"ZeRO-Offload with a model loaded with {attr}="
-                             f"{getattr(model, attr)} is not supported yet by the Trainer / "
-                             "accelerate integration (ZeroOffloadOptimizer itself takes "
-                             "tensor-parallel params)")
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("ZeRO-Offload with tensor-parallel (DTensor) params is not supported "
-                         "yet by the Trainer / accelerate integration; use "
-                         "ZeroOffloadOptimizer directly")
+    if (getattr(model, "fsdp_size", None) or 1) > 1:
+        raise ValueError(f"ZeRO-Offload with a model loaded with fsdp_size="
+                         f"{model.fsdp_size} (FSDP2) is not supported; load it with "
+                         "tp_size alone, or whole")
     check_params(model.parameters())

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,6 +138,9 @@ def test_run_clm_two_processes_save_and_resume(tmp_path):
     (["--dataset_name", "x", "--train_file", "t.txt"], "give one data source"),
     (["--model_name_or_path", "m", "--config_overrides", "n_layer=2"], "brings its own config"),
     (["--config_name", "c", "--model_type", "gpt2"], "--config_name with --model_type"),
+    (["--tp_size", "2"], "--tp_size needs --zero_offload"),
+    (["--tp_size", "0", "--zero_offload"], "--tp_size must be >= 1, got 0"),
+    (["--tp_size", "2", "--zero_offload"], "--tp_size 2 does not divide the 1 launched"),
 ])
 def test_options_that_would_be_ignored_raise(argv, match, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -177,3 +181,89 @@ def test_evaluation_only_needs_only_the_validation_data(tmp_path):
     results = run_clm.main(["--do_eval", *common])
     assert results["eval_samples"] == 8 and 1.0 < results["perplexity"] < 1e4
     assert (tmp_path / "out" / "eval_results.json").is_file()
+
+
+# ------------------------------------------------------------- tensor parallelism (--tp_size)
+LLAMA = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=2," \
+        "num_key_value_heads=2,max_position_embeddings=32"
+
+
+def _tp_data(tmp_path):
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+
+    docs = stdlib_corpus(max_mb=0.1)
+    (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
+    (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
+    tok = train_tokenizer(docs, vocab_size=300)
+    tok.save_pretrained(tmp_path / "tok")
+    return tok
+
+
+def _clm(tmp_path, name, argv, *, ranks=1):
+    """run_clm.py alone, or under torchrun with ``ranks`` processes; its log entries."""
+    out = tmp_path / name
+    launch = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks)]
+    cmd = [*launch, str(ROOT / "scripts" / "run_clm.py"), *argv,
+           "--train_file", str(tmp_path / "train.txt"), "--validation_file",
+           str(tmp_path / "valid.txt"), "--block_size", "32", "--max_train_samples", "64",
+           "--max_eval_samples", "8", "--do_train", "--do_eval", "--zero_offload",
+           "--max_steps", "4", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
+           "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy",
+           "no", "--logging_steps", "1", "--output_dir", str(out)]
+    env = offline_env()
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = json.loads((out / "eval_results.json").read_text())
+    return [e for e in state if "loss" in e], state[0]["offload_host_mib"], evals
+
+
+def _same_run(one, two):
+    (logs1, host1, eval1), (logs2, host2, eval2) = one, two
+    assert len(logs1) == len(logs2) == 4
+    for a, b in zip(logs1, logs2):  # fp32: rounding apart (the row-parallel all-reduces)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert eval2["eval_loss"] == pytest.approx(eval1["eval_loss"], rel=1e-5)
+    # each rank holds its shards' host state: about half (the norms are whole)
+    assert 0.45 * host1 < host2 < 0.55 * host1
+
+
+@pytest.mark.slow
+def test_tp_size_from_a_config_equals_one_process(tmp_path):
+    """--model_type llama --tp_size 2 under torchrun: every rank builds the same weights,
+    the Trainer shards them; losses, norms and eval loss are one process's."""
+    _tp_data(tmp_path)
+    argv = ["--model_type", "llama", "--config_overrides", LLAMA, "--tokenizer_name",
+            str(tmp_path / "tok")]
+    _same_run(_clm(tmp_path, "one", argv), _clm(tmp_path, "two", [*argv, "--tp_size", "2"],
+                                                ranks=2))
+
+
+@pytest.mark.slow
+def test_tp_size_from_pretrained_equals_one_process(tmp_path):
+    """--model_name_or_path M --tp_size 2: each rank loads its shards (transformers'
+    sharded loading, every rank tensor parallel); one process's run; the model saved whole
+    loads in one process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tp_data(tmp_path)
+    model_dir = tmp_path / "model"
+    config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False)
+    config.update_from_string(LLAMA)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    argv = ["--model_name_or_path", str(model_dir)]
+    one = _clm(tmp_path, "one", argv)
+    _same_run(one, _clm(tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2))
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)

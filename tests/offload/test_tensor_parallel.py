@@ -236,12 +236,23 @@ def test_unsupported_dtensors_are_refused_before_any_change(case, monkeypatch):
         assert plain.dtype == torch.float32 and all(p.dtype == torch.float32 for p in params)
 
 
-def test_integrations_refuse_tensor_parallel_models_for_now():
+def test_check_model_takes_tensor_parallel_models_and_refuses_fsdp2_ones():
+    """The integrations' check: DTensor params of a tensor-parallel plan pass (the Trainer
+    and prepare_zero_offload train them, tests/integrations/test_tensor_parallel.py); a model
+    loaded with fsdp_size > 1, or a placement the engine cannot train, does not."""
     with _one_rank():
         model = w.Model()
         from torch.distributed.tensor.parallel import parallelize_module
         parallelize_module(model, init_device_mesh("cpu", (1,)), w.PLAN)
-        with pytest.raises(ValueError, match="DTensor.*integration"):
+        check_model(model)
+        model.fsdp_size = 2
+        with pytest.raises(ValueError, match="fsdp_size=2 \\(FSDP2\\) is not supported"):
+            check_model(model)
+        del model.fsdp_size
+        mesh = init_device_mesh("cpu", (1,))
+        model.extra.weight = torch.nn.Parameter(DTensor.from_local(
+            torch.randn(1, w.D), mesh, [Partial()]))
+        with pytest.raises(ValueError, match="placement Partial"):
             check_model(model)
 
 
