@@ -2,32 +2,110 @@
  * HZ_USE_* set): the 8-bit moments with AVX2/FMA/F16C intrinsics (included
  * only where the fused path exists). No include guard on purpose. */
 
-/* 8-bit moments, 8 lanes at a time: per block, decode + update + narrow in one pass that
- * keeps the new moments (m, sqrt v) in two L1 tiles and their largest magnitudes in
- * registers, then encode the tiles with the new scales.  The same operations as
- * hz_q8_decode / hz_math_q8 / hz_q8_encode, so the same bits; a block whose length is not a
- * multiple of 16 (only a buffer's last) takes that portable path. */
-static inline __m256i HZ_FN(hz_q8_code8)(__m256 y, const int sh, const int bias, const int top) {
+/* 8-bit moments, 16 lanes per iteration, three passes over each block: (1) decode, the moments'
+ * update and sqrt(v), new m and sqrt(v) to two L1 tiles, their largest magnitudes in
+ * registers; (2) the params and their 16-bit copy from the tiles; (3) encode the tiles with the
+ * new scales.  The same operations as hz_q8_decode / hz_math_q8 / hz_q8_encode, so the same
+ * bits.  Taken by the portable path instead: a block whose length is not a multiple of 16 (only
+ * a buffer's last), a block whose stored exp_avg scale is NaN or negative (hz_q8_mdec), and the
+ * encode of a block with an inf or NaN in its new moments (hz_q8_pack32).
+ *
+ * Single thread, 64K elements (in cache), bf16 grads in / bf16 params out over them, Zen 3:
+ * 1.54 -> 1.02 ns/param (quietest of many runs; 1.62 in docs/design.md).  Where from: codes
+ * widened and decoded with in-lane byte shuffles and vpsignd (no vpmovzxbd, compare and mask);
+ * the encode's bias folded into its rounding constant, its clamps and signs applied on packed
+ * 16- and 8-bit lanes; the bf16 copy rounded 16 lanes at a time (hz_bf16x16); ~14% from
+ * splitting the update at sqrt(v) into passes 1 and 2 (as hz_fused).  Tried and slower: the
+ * encode inside pass 2 (-6%; its sqrt(v) half alone -5%), the encode of the previous block
+ * interleaved with this one's update (-14%), a separate decode pass (no change). */
+
+/* In-lane byte shuffles that move code byte e (of 16 broadcast to both lanes) to byte `at` of
+ * 32-bit lane e - 8h (h: which 8 of the 16), zeroing the others: the code shifted left by
+ * 8 * at in one shuffle. */
+#define HZ_Q8SEL(at, e0)                                                                      \
+    _mm256_setr_epi8(HZ_Q8B(at, e0 + 0), HZ_Q8B(at, e0 + 1), HZ_Q8B(at, e0 + 2),             \
+                     HZ_Q8B(at, e0 + 3), HZ_Q8B(at, e0 + 4), HZ_Q8B(at, e0 + 5),             \
+                     HZ_Q8B(at, e0 + 6), HZ_Q8B(at, e0 + 7))
+#define HZ_Q8B(at, e) (at) == 0 ? (e) : -1, (at) == 1 ? (e) : -1, (at) == 2 ? (e) : -1,      \
+                      (at) == 3 ? (e) : -1
+
+/* exp_avg from its code c (code << 24 in each lane): (value of c & 0x7f) * scale, negative
+ * when c & 0x80.  value: ((k + bias) << 20) as float bits, 0 for k = 0 (vpsignd by k: no
+ * compare and mask).  The product with -scale equals the portable decode's product with its
+ * sign OR-ed in for every scale >= +0 and +inf, not for a NaN or negative one: the caller
+ * sends those blocks (never written by an encode but NaN) to the portable path. */
+static inline __m256 HZ_FN(hz_q8_mdec)(__m256i full, __m256 ms, __m256 nms) {
+    const int sh = 23 - HZ_QM_MBITS;
+    __m256i mag = _mm256_and_si256(full, _mm256_set1_epi32(0x7f000000));
+    __m256i y = _mm256_add_epi32(_mm256_srli_epi32(mag, 24 - sh),
+                                 _mm256_set1_epi32((int)(HZ_QM_BIAS << sh)));
+    y = _mm256_sign_epi32(y, mag);
+    return _mm256_mul_ps(_mm256_castsi256_ps(y),
+                         _mm256_blendv_ps(ms, nms, _mm256_castsi256_ps(full)));
+}
+
+/* sqrt(exp_avg_sq) from its code (code << 16 in each lane). */
+static inline __m256 HZ_FN(hz_q8_udec)(__m256i x, __m256 us) {
+    const int sh = 23 - HZ_QU_MBITS;
+    __m256i y = _mm256_add_epi32(_mm256_slli_epi32(x, sh - 16),
+                                 _mm256_set1_epi32((int)(HZ_QU_BIAS << sh)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_sign_epi32(y, x)), us);
+}
+
+/* hz_q_code on 8 lanes of y >= 0, finite, less the clamps: the bias is folded into the
+ * rounding constant and the shift is arithmetic, so a code below 0 comes out negative (and
+ * vpackusdw makes it 0).  With a clamp at the top, checked against hz_q_code for every finite
+ * y >= 0; see hz_q8_pack32 for why the top needs none here. */
+static inline __m256i HZ_FN(hz_q8_code8)(__m256 y, const int sh, const int bias) {
     __m256i u = _mm256_castps_si256(y);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, sh), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(
-        u, _mm256_set1_epi32((1 << (sh - 1)) - 1)), lsb), sh);
-    __m256i k = _mm256_sub_epi32(r, _mm256_set1_epi32(bias));
-    return _mm256_min_epi32(k, _mm256_set1_epi32(top));  /* k < 0: hz_store16_u8 makes it 0 */
+    __m256i t = _mm256_add_epi32(u, _mm256_set1_epi32((1 << (sh - 1)) - 1 - (bias << sh)));
+    return _mm256_srai_epi32(_mm256_add_epi32(t, lsb), sh);
 }
 
-/* 16 int32 codes (<= 255; negative ones saturate to 0, the clamp of hz_q_code) -> 16 bytes. */
-static inline void HZ_FN(hz_store16_u8)(uint8_t *dst, __m256i k0, __m256i k1) {
-    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(k0, k1), 0xd8);
-    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi16(_mm256_castsi256_si128(w),
-                                                      _mm256_extracti128_si256(w, 1)));
+/* 4 x 8 codes -> 32 bytes, negative ones 0, in vpackus's lane order (hz_q8_store32 puts them in
+ * element order).  No clamp at the top code: with a finite scale s >= FLT_MIN (the caller's
+ * condition: no inf or NaN in the block), every y = |x| * RN(1/s) <= s * RN(1/s) = RN(1 + d),
+ * |d| <= 2^-21 even where 1/s is subnormal, which rounds to a code <= top. */
+static inline __m256i HZ_FN(hz_q8_pack32)(__m256i k0, __m256i k1, __m256i k2, __m256i k3) {
+    return _mm256_packus_epi16(_mm256_packus_epi32(k0, k1), _mm256_packus_epi32(k2, k3));
 }
 
-static inline __m256 HZ_FN(hz_q8_value8)(__m256i k, const int sh, const int bias, __m256 s) {
-    __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(bias)),
-                                                     sh));
-    f = _mm256_and_ps(f, _mm256_castsi256_ps(_mm256_cmpgt_epi32(k, _mm256_setzero_si256())));
-    return _mm256_mul_ps(f, s);
+/* Stores hz_q8_pack32's 32 bytes (its first 16 when half) in element order: its lanes hold the
+ * 4-byte groups of elements 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, ...  A lane swap and two
+ * unpacks interleave them (~1% faster than one vpermd, which takes two uops on Zen 3). */
+static inline void HZ_FN(hz_q8_store32)(uint8_t *dst, __m256i x, const int half) {
+    __m256i y = _mm256_permute2x128_si256(x, x, 0x01);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(_mm256_unpacklo_epi32(x, y)));
+    if (!half)
+        _mm_storeu_si128((__m128i *)(dst + 16),
+                         _mm256_castsi256_si128(_mm256_unpackhi_epi32(x, y)));
+}
+
+/* Encode 32 lanes (16 when half: lanes 16-31 repeat 0-15) of the tiles at mt, ut; finite
+ * scales only (inverses im, iu). */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz_q8_enc32)(uint8_t *mc, uint8_t *uc, const float *mt, const float *ut, __m256 im,
+                   __m256 iu, const int half) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m[4], u[4];
+    __m256i km[4], ku[4];
+    for (int h = 0; h < 4; ++h) {
+        int o = 8 * (half ? h & 1 : h);
+        m[h] = _mm256_load_ps(mt + o);
+        u[h] = _mm256_load_ps(ut + o);
+        km[h] = HZ_FN(hz_q8_code8)(_mm256_mul_ps(_mm256_and_ps(m[h], abs_mask), im),
+                                   23 - HZ_QM_MBITS, HZ_QM_BIAS);
+        ku[h] = HZ_FN(hz_q8_code8)(_mm256_mul_ps(u[h], iu), 23 - HZ_QU_MBITS, HZ_QU_BIAS);
+    }
+    __m256i kb = HZ_FN(hz_q8_pack32)(km[0], km[1], km[2], km[3]);
+    /* sign bytes: signed saturation keeps each float's sign bit */
+    __m256i sb = _mm256_packs_epi16(
+        _mm256_packs_epi32(_mm256_castps_si256(m[0]), _mm256_castps_si256(m[1])),
+        _mm256_packs_epi32(_mm256_castps_si256(m[2]), _mm256_castps_si256(m[3])));
+    sb = _mm256_sign_epi8(_mm256_and_si256(sb, _mm256_set1_epi8((char)0x80)), kb);  /* k > 0 */
+    HZ_FN(hz_q8_store32)(mc, _mm256_or_si256(kb, sb), half);
+    HZ_FN(hz_q8_store32)(uc, HZ_FN(hz_q8_pack32)(ku[0], ku[1], ku[2], ku[3]), half);
 }
 
 static inline uint32_t HZ_FN(hz_hmax_epu32)(__m256i x) {
@@ -43,81 +121,89 @@ HZ_FN(hz_q8_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, co
     float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     float *restrict p = a->param;
     uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
+    uint16_t *out = (uint16_t *)a->out16;
+    const void *grad = a->grad;
     const __m256 gs = _mm256_set1_ps(a->grad_scale), decay = _mm256_set1_ps(a->decay);
     const __m256 l2 = _mm256_set1_ps(a->l2), c = _mm256_set1_ps(a->lerp_coef);
     const __m256 b2 = _mm256_set1_ps(a->beta2), omb2 = _mm256_set1_ps(a->one_minus_beta2);
     const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
     const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), sign7 = _mm256_set1_epi32(0x80);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i selm[2] = {HZ_Q8SEL(3, 0), HZ_Q8SEL(3, 8)};  /* code << 24 */
+    const __m256i selu[2] = {HZ_Q8SEL(2, 0), HZ_Q8SEL(2, 8)};  /* code << 16 */
     const int l2_on = a->l2_on, small = a->lerp_small;
     const size_t bs = (size_t)a->qblock;
-    const int msh = 23 - HZ_QM_MBITS, ush = 23 - HZ_QU_MBITS;
+    const int pf = hi - lo >= HZ_PREFETCH_MIN;
     for (size_t b0 = lo; b0 < hi; b0 += bs) {
         size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
-        if (n & 15u) {  /* a buffer's last, short block */
-            HZ_FN(hz_q8_range)(a, b0, hi);
-            return;
+        const float msf = a->m_scale[blk], usf = a->v_scale[blk];
+        if ((n & 15u) || hz_bits(msf) > 0x7f800000u) {  /* see the top of this file */
+            HZ_FN(hz_q8_range)(a, b0, b0 + n);
+            continue;
         }
-        const __m256 ms = _mm256_set1_ps(a->m_scale[blk]), us = _mm256_set1_ps(a->v_scale[blk]);
+        const __m256 ms = _mm256_set1_ps(msf), nms = _mm256_set1_ps(-msf);
+        const __m256 us = _mm256_set1_ps(usf);
         __m256i mmax = _mm256_setzero_si256(), umax = _mm256_setzero_si256();
-        for (size_t j = 0; j < n; j += 8) {
+        for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
             size_t i = b0 + j;
-            __m256 g;
-            if (gk == HZ_F32) g = _mm256_loadu_ps((const float *)a->grad + i);
-            else if (gk == HZ_F16)
-                g = _mm256_cvtph_ps(
-                    _mm_loadu_si128((const __m128i *)((const uint16_t *)a->grad + i)));
-            else g = HZ_FN(hz_bf16x8_load)((const uint16_t *)a->grad + i);
-            __m256i cm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mc + i)));
-            __m256i cu = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(uc + i)));
-            __m256 mi = HZ_FN(hz_q8_value8)(_mm256_and_si256(cm, _mm256_set1_epi32(0x7f)), msh,
-                                            HZ_QM_BIAS, ms);
-            mi = _mm256_castsi256_ps(_mm256_or_si256(
-                _mm256_castps_si256(mi), _mm256_slli_epi32(_mm256_and_si256(cm, sign7), 24)));
-            __m256 uo = HZ_FN(hz_q8_value8)(cu, ush, HZ_QU_BIAS, us);
-            __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-            g = _mm256_mul_ps(g, gs);
-            if (l2_on) g = _mm256_fmadd_ps(l2, pi, g);
-            mi = _mm256_fmadd_ps(c, _mm256_sub_ps(g, mi), small ? mi : g);
-            __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
-                                        _mm256_mul_ps(b2, _mm256_mul_ps(uo, uo)));
-            __m256 si = _mm256_sqrt_ps(vi);
-            __m256 cap = _mm256_mul_ps(_mm256_and_ps(mi, _mm256_castsi256_ps(abs_mask)), icap);
-            __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(cap, si), rbc2), eps);
-            __m256 pn = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(ns, mi), d));
-            _mm256_storeu_ps(p + i, pn);
-            if (ok != HZ_NONE) {
-                __m128i h = ok == HZ_F16 ? _mm256_cvtps_ph(pn, _MM_FROUND_TO_NEAREST_INT)
-                                         : HZ_FN(hz_bf16x8)(pn);
-                _mm_storeu_si128((__m128i *)((uint16_t *)a->out16 + i), h);
+            if (pf && i + HZ_PREFETCH + 16 <= hi) {  /* p: for pass 2 of a later block */
+                HZ_FN(hz_prefetch)(p, i + HZ_PREFETCH, 4, j);
+                HZ_FN(hz_prefetch)(grad, i + HZ_PREFETCH, gk == HZ_F32 ? 4 : 2, j);
+                HZ_FN(hz_prefetch)(mc, i + HZ_PREFETCH, 1, j);
+                HZ_FN(hz_prefetch)(uc, i + HZ_PREFETCH, 1, j);
             }
-            _mm256_store_ps(mt + j, mi);
-            _mm256_store_ps(ut + j, si);
-            mmax = _mm256_max_epu32(mmax, _mm256_and_si256(_mm256_castps_si256(mi), abs_mask));
-            umax = _mm256_max_epu32(umax, _mm256_and_si256(_mm256_castps_si256(si), abs_mask));
+            __m256i bm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mc + i)));
+            __m256i bu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(uc + i)));
+            for (int h = 0; h < 2; ++h) {
+                size_t e = i + 8 * h;
+                __m256 g = _mm256_mul_ps(HZ_FN(hz_grad8)(grad, e, gk), gs);
+                __m256 mi = HZ_FN(hz_q8_mdec)(_mm256_shuffle_epi8(bm, selm[h]), ms, nms);
+                __m256 uo = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), us);
+                if (l2_on)
+                    g = _mm256_fmadd_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(p + e), decay), g);
+                mi = _mm256_fmadd_ps(c, _mm256_sub_ps(g, mi), small ? mi : g);
+                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
+                                            _mm256_mul_ps(b2, _mm256_mul_ps(uo, uo)));
+                __m256 si = _mm256_sqrt_ps(vi);
+                _mm256_store_ps(mt + j + 8 * h, mi);
+                _mm256_store_ps(ut + j + 8 * h, si);
+                mmax = _mm256_max_epu32(mmax, _mm256_castps_si256(_mm256_and_ps(mi, abs_mask)));
+                /* si has no sign bit unless NaN (v >= +0): the raw max is the largest
+                 * magnitude whenever it is finite, checked below */
+                umax = _mm256_max_epu32(umax, _mm256_castps_si256(si));
+            }
         }
-        float sm = hz_q_scale(HZ_FN(hz_hmax_epu32)(mmax));
-        float su = hz_q_scale(HZ_FN(hz_hmax_epu32)(umax));
+        for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
+            __m256 pn[2];
+            for (int h = 0; h < 2; ++h) {
+                size_t e = b0 + j + 8 * h;
+                __m256 mi = _mm256_load_ps(mt + j + 8 * h), si = _mm256_load_ps(ut + j + 8 * h);
+                __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + e), decay);
+                __m256 cap = _mm256_mul_ps(_mm256_and_ps(mi, abs_mask), icap);
+                __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(cap, si), rbc2), eps);
+                pn[h] = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(ns, mi), d));
+                _mm256_storeu_ps(p + e, pn[h]);
+            }
+            if (ok != HZ_NONE)
+                _mm256_storeu_si256((__m256i *)(out + b0 + j), HZ_FN(hz_out16)(pn[0], pn[1], ok));
+        }
+        const uint32_t mb = HZ_FN(hz_hmax_epu32)(mmax), ub = HZ_FN(hz_hmax_epu32)(umax);
+        if (mb >= 0x7f800000u || ub >= 0x7f800000u) {  /* inf or NaN in the block */
+            HZ_FN(hz_q8_encode)(mc + b0, uc + b0, a->m_scale + blk, a->v_scale + blk, mt, ut, n);
+            continue;
+        }
+        const float sm = hz_q_scale(mb), su = hz_q_scale(ub);
         const __m256 im = _mm256_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
         const __m256 iu = _mm256_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
-        for (size_t j = 0; j < n; j += 16) {  /* n: a multiple of 16 here */
-            __m256i km[2], ku[2];
-            for (int h = 0; h < 2; ++h) {
-                __m256i bm = _mm256_castps_si256(_mm256_load_ps(mt + j + 8 * h));
-                __m256i k = HZ_FN(hz_q8_code8)(
-                    _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(bm, abs_mask)), im),
-                    msh, HZ_QM_BIAS, HZ_QM_TOP);
-                __m256i sgn = _mm256_and_si256(_mm256_srli_epi32(bm, 24), sign7);
-                sgn = _mm256_and_si256(sgn, _mm256_cmpgt_epi32(k, _mm256_setzero_si256()));
-                km[h] = _mm256_or_si256(k, sgn);
-                ku[h] = HZ_FN(hz_q8_code8)(_mm256_mul_ps(_mm256_load_ps(ut + j + 8 * h), iu),
-                                           ush, HZ_QU_BIAS, HZ_QU_TOP);
-            }
-            HZ_FN(hz_store16_u8)(mc + b0 + j, km[0], km[1]);
-            HZ_FN(hz_store16_u8)(uc + b0 + j, ku[0], ku[1]);
-        }
+        size_t j = 0;
+        for (; j + 32 <= n; j += 32)  /* pass 3: encode */
+            HZ_FN(hz_q8_enc32)(mc + b0 + j, uc + b0 + j, mt + j, ut + j, im, iu, 0);
+        if (j < n)  /* 16 left: n is a multiple of 16 here */
+            HZ_FN(hz_q8_enc32)(mc + b0 + j, uc + b0 + j, mt + j, ut + j, im, iu, 1);
         a->m_scale[blk] = sm;
         a->v_scale[blk] = su;
     }
 }
 
+#undef HZ_Q8B
+#undef HZ_Q8SEL

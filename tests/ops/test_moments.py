@@ -169,6 +169,73 @@ def test_variants_threads_and_block_splits_are_bitwise_equal(variant, state_dtyp
             assert torch.equal(a, b), (threads, splits)
 
 
+def _specials(n, gen):
+    """fp32 values with NaN (both signs; payloads whose low half would carry in an integer
+    bf16 rounding), inf, subnormals, zeros and exact bf16 ties among random ones: the fast
+    paths' fallbacks and rounding corners."""
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
+    x = torch.randn(n, generator=gen)
+    hard = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, 0x7FC0FFFF, -0x3F0001, 0x7F800000,
+                         -0x800000, 1, -0x7FFFFFFF, 0, -0x80000000, 0x3F808000, 0x3F818000,
+                         -0x40000000 | 0x8000], dtype=torch.int32).view(torch.float32)
+    pick = torch.randint(0, 40, (n,), generator=gen)
+    x = torch.where(pick < hard.numel(), hard[pick.clamp(max=hard.numel() - 1)], x)
+    return torch.where(pick == 39, bits.view(torch.float32), x)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_special_values_bitwise_equal_to_generic(variant, state_dtype):
+    """The fused paths' fallbacks (a NaN among 16 bf16 lanes; an int8 block with a NaN,
+    negative or infinite scale, or inf / NaN in its new moments; any code byte) give the
+    portable C's bits, with the output over the grads and apart from them.  At most one input
+    of an element is special: where two different NaNs meet, which one an FMA or a product
+    passes on depends on the operand order the compiler picked, in any variant.  So the codes
+    of a block whose new scale is NaN are not compared: its encode multiplies NaN sqrt(v) by
+    1/NaN (portable build, avx2 against generic: 0 or the top code); every code there decodes
+    to NaN anyway."""
+    n = 40 * mo.QBLOCK + 48  # the last block: 48 elements, a multiple of 16, not of 32
+    gen = torch.Generator().manual_seed(21)
+    blk = torch.arange(n) // mo.QBLOCK
+    streams = 2 if state_dtype == "int8" else 4  # p, g (, m, v) get special values
+    which = torch.where(blk % 4 == 2, torch.randint(0, streams, (n,), generator=gen), -1)
+
+    def value(k, normal):
+        return torch.where(which == k, _specials(n, gen), normal)
+
+    p = value(0, torch.randn(n, generator=gen))
+    g = value(1, torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+    if state_dtype == "bf16":
+        m = value(2, torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+        v = value(3, torch.rand(n, generator=gen) * 1e-6).to(torch.bfloat16)
+        state, scales = [p, m, v], False
+    else:  # odd blocks: special scales (their p and g are plain), any code bytes everywhere
+        mc = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        uc = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        nb = mo.n_blocks(n)
+        sm, su = torch.rand(nb, generator=gen) * 1e-2, torch.rand(nb, generator=gen) * 1e-3
+        for sc in (sm, su):
+            sc[1::8], sc[3::8], sc[5::8] = float("nan"), float("inf"), 0.0
+            sc[7::16], sc[15::16] = -1e-2, 2.0**-126
+        state, scales = [p, mc, uc, sm, su], True
+    for separate in (False, True):
+        runs = []
+        for var in ("generic", variant):
+            st = [t.clone() for t in state]
+            grad = g.clone()
+            out = torch.empty(n, dtype=torch.bfloat16) if separate else grad
+            kw = dict(scales=(st[3], st[4])) if scales else {}
+            ca._update(st[0], grad, st[1], st[2], step=4, lr=1e-3, weight_decay=0.01,
+                       out16=out, variant=var, **HP, **kw)
+            if scales:  # the codes of a NaN block: see the docstring
+                for codes, sc in ((st[1], st[3]), (st[2], st[4])):
+                    for b in sc.isnan().nonzero().flatten().tolist():
+                        codes[b * mo.QBLOCK:(b + 1) * mo.QBLOCK] = 0
+            runs.append([t.view(torch.uint8) for t in (*st, out)])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), (state_dtype, separate)
+
+
 def test_bf16_state_matches_reference_within_one_rounding():
     n = 4097
     p = torch.randn(n)
