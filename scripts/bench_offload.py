@@ -99,7 +99,8 @@ def _wchar() -> int:
         return int(next(line for line in fh if line.startswith("wchar")).split()[1])
 
 
-def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
+def _join(rank: int, world: int, port: int, args) -> int:
+    """Join the benchmark's gloo group as ``rank``; returns this rank's CPU-Adam threads."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -107,6 +108,13 @@ def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
+    return threads
+
+
+def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
+    import torch.distributed as dist
+
+    threads = _join(rank, world, port, args)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes(args.layers)]
     n = sum(p.numel() for p in params)
     opt = ZeroOffloadOptimizer(params, lr=1e-4, plugin=ZeroOffloadPlugin(
@@ -187,11 +195,7 @@ def _tp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
 
     from hf_zoffload.integrations.parallel import shard_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    threads = max(1, args.threads // world)  # the ranks share this machine's cores
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    threads = _join(rank, world, port, args)
     tp, dp = args.tp_size, world // args.tp_size
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)  # every rank the same weights; each keeps its part
