@@ -274,14 +274,17 @@ def test_partial_dtensor_params_are_refused_before_any_change(group):
     assert plain.dtype == torch.float32
 
 
-def test_check_model_refuses_ddp_and_tp(group):
+def test_check_model_refuses_ddp_and_fsdp_not_tp(group):
+    """Tensor-parallel models pass (the integrations shard and train them); DDP and FSDP2
+    layouts are refused."""
     model = w.Model()
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         check_model(torch.nn.parallel.DistributedDataParallel(model))
-    model.tp_size = 2
-    with pytest.raises(ValueError, match="tp_size=2 is not supported yet"):
+    model.fsdp_size = 2
+    with pytest.raises(ValueError, match=r"fsdp_size=2 \(FSDP2\) is not supported"):
         check_model(model)
-    del model.tp_size
+    del model.fsdp_size
+    model.tp_size = 2
     check_model(model)
 
 
