@@ -102,6 +102,9 @@ def main(argv=None) -> dict:
         if args.output_json:
             with open(args.output_json, "w") as fh:
                 fh.write(line + "\n")
+    # Destroys the process group: a gloo group left to the interpreter's exit once aborted a
+    # rank ("terminate called without an active exception") while the other was closing.
+    accelerator.end_training()
     return result
 
 
