@@ -215,3 +215,43 @@ def load_state_dict(opt, sd: dict) -> None:
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
     opt.applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()
+
+
+class Checkpoints:
+    """`ZeroOffloadOptimizer`'s checkpoint methods (the functions above over its facts;
+    ``_drain``, ``copier``, ``_watch``, ``_consolidated`` are the engine's)."""
+
+    def state_dict(self) -> dict:
+        """The whole state in torch.optim.AdamW's per-param format. With N ranks: a
+        collective (rank 0 gets the state, the others a shell that refuses to load), unless
+        `consolidate_state_dict` ran since the last step."""
+        if self._consolidated is not None:
+            sd, self._consolidated = self._consolidated, None
+            return sd
+        self._drain()
+        return state_dict(self)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the state onto rank ``to``, a collective: every rank calls it (data or
+        tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
+        the next step. In one process there is nothing to gather and this does nothing."""
+        self._drain()
+        self._consolidated = state_dict(self, to=to) \
+            if self.exchange.spans_ranks else None
+
+    def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
+        """A full-precision ``model.state_dict()``: each param this optimizer trains
+        replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
+        they are. With N ranks a collective (every rank calls it) that returns the dict on
+        rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
+        self._drain()
+        return master_state_dict(self, model, to=to)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved with any number of ranks; each rank keeps its shard, on the
+        host. No collective: every rank must pass the same whole state."""
+        self._drain()
+        self.copier.finish_uploads()  # no upload may land over the loaded params
+        self._consolidated = None
+        load_state_dict(self, state_dict)
+        self._watch.note_written()

@@ -12,14 +12,14 @@ partitioned.py: data parallel, tensor_parallel.py: DTensor shards), which checks
 flag and squared norm, one kernel) and lands it on the host through the copier (copier.py).
 Gradient accumulation needs no boundary signal: every backward since the last ``step()`` /
 ``zero_grad()`` is summed, the second and later ones into an fp32 host buffer
-(docs/design.md, "Accumulation window").
+(docs/design.md, "Accumulation window"). The checkpoint, bucket-order and module-wait
+methods live beside their logic (checkpoint.py, reorder.py, hooks.py), as mixins.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import time
 
@@ -30,24 +30,22 @@ from ..ops.cpu_adam import check_hyper
 from ..ops.moments import QBLOCK
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
-from . import checkpoint
+from .checkpoint import Checkpoints
 from .copier import make_copier
 from .delayed import DelayedUpdate
-from .hooks import queue_at_backward_end, register_grad_hooks, register_param_waits
+from .hooks import ParamWaits, queue_at_backward_end, register_grad_hooks, register_param_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report
 from .params import ParamWatch, check_placement
-from .reorder import ArrivalOrder, relayout
+from .reorder import ArrivalOrder, BucketOrder
 from .state import Bucket, place
 from .support import check_clip_args, local_grad
 from .tensor_parallel import make_exchange
 from .update import Work, cpu_threads, plan, run
 
-logger = logging.getLogger(__name__)
 
-
-class ZeroOffloadOptimizer(torch.optim.Optimizer):
+class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments in host memory (ZeRO-Offload).
 
     The hyperparameters and their defaults are torch.optim.AdamW's (weight_decay 0.01,
@@ -149,18 +147,15 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._delayed = DelayedUpdate()
         self._uploads_pending: list = []  # (bucket, out) of a delayed update, to upload
         self._consolidated = None
-        self.grad_norm: float | None = None
-        self.last_step_skipped = False
-        self.skipped_steps = 0
+        self.grad_norm, self.last_step_skipped, self.skipped_steps = None, False, 0
         # Seconds of the last step, each named for what it measures (docs/design.md,
         # "Timings"); on CUDA also d2h_copy / h2d_copy, from events.
         self.timings = {"fwd_bwd": 0.0, "grad_wait": 0.0, "cpu_adam": 0.0, "upload_host": 0.0}
         self._t_step_end: float | None = None
         self._reset_window()
         self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
-        # Params uploaded from the host: each module's forward waits for its own buckets
-        # only (they go up in forward order), so the first layers compute while the last
-        # ones still upload.
+        # Uploaded params: each module's forward waits for its own buckets only (they go up
+        # in forward order), so the first layers compute while the last ones still upload.
         self._module_waits = model is not None and not self.copier.params_on_host
         if self._module_waits:
             register_param_waits(self, "_wait_params", model, [s.param for s in slots])
@@ -173,58 +168,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._module_keys: dict = {}  # module -> the buckets of its params (_wait_params)
         self._watch = ParamWatch(buckets)
 
-    def _wait_params(self, module) -> None:
-        """Before ``module``'s forward or state_dict: the device waits for the buckets of
-        its params; None (after the model's forward): for every upload still pending."""
-        if module is None:
-            self.copier.finish_uploads()
-            return
-        keys = self._module_keys.get(module)
-        if keys is None:
-            keys = self._module_keys[module] = sorted({
-                self._where[p][0].layout.index for p in module.parameters(recurse=False)
-                if p in self._where})
-        self.copier.wait_ready(keys)
-
     # ------------------------------------------------------------- public facts
-    @property
-    def bucket_order(self) -> list[int]:
-        """Param indices (torch's state_dict keys) in the order the buckets fill: the
-        reversed param order until the first step, then the order in which the first
-        backward's gradients arrived (reorder.py)."""
-        return list(self._fill)
-
-    def set_bucket_order(self, order) -> None:
-        """Fill the buckets in ``order`` (param indices; trainable params missing from it
-        follow in their current order, others are ignored), moving the host state; the
-        first backward's order is then no longer adopted. With N ranks a collective; the
-        first rank's order wins. Between steps only (checkpoints call it when loading)."""
-        fill = self._fill
-        known = set(fill)
-        order = [i for i in dict.fromkeys(int(i) for i in order) if i in known]
-        placed = set(order)
-        order = self.exchange.agree(order + [i for i in fill if i not in placed])
-        self._arrival = None
-        if order == fill:
-            return
-        self._drain()
-        for b in self.buckets:  # no copy may still use the old buffers
-            self.copier.wait_landed(b.layout.index)
-            self.copier.wait_uploaded(b.layout.index)
-        t0 = time.perf_counter()
-        # Drop every view of the old pool first: its pinned blocks go back to torch's
-        # cache, where the new pool's blocks of the same sizes come from.
-        pin, self.host_pool = self.host_pool.pin, None
-        self.exchange.attach([], self._check, None)
-        pool, buckets = relayout(
-            self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-            state_dtype=self.plugin.state_dtype, pin=pin, **self._cut)
-        self._install(order, pool, buckets)
-        self._reset_window()
-        self.relayout_seconds = time.perf_counter() - t0
-        logger.info("ZeRO-Offload: %d buckets re-laid out in gradient arrival order (%.2f s)",
-                    len(buckets), self.relayout_seconds)
-
     @property
     def update_in_flight(self) -> bool:
         """A delayed update is running, or its params are not on the device yet."""
@@ -453,39 +397,3 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
         structure (see `memory.engine_report`)."""
         return engine_report(self)
-
-    # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """The whole state in torch.optim.AdamW's per-param format. With N ranks: a
-        collective (rank 0 gets the state, the others a shell that refuses to load), unless
-        `consolidate_state_dict` ran since the last step."""
-        if self._consolidated is not None:
-            sd, self._consolidated = self._consolidated, None
-            return sd
-        self._drain()
-        return checkpoint.state_dict(self)
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the state onto rank ``to``, a collective: every rank calls it (data or
-        tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
-        the next step. In one process there is nothing to gather and this does nothing."""
-        self._drain()
-        self._consolidated = checkpoint.state_dict(self, to=to) \
-            if self.exchange.spans_ranks else None
-
-    def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
-        """A full-precision ``model.state_dict()``: each param this optimizer trains
-        replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
-        they are. With N ranks a collective (every rank calls it) that returns the dict on
-        rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
-        self._drain()
-        return checkpoint.master_state_dict(self, model, to=to)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved with any number of ranks; each rank keeps its shard, on the
-        host. No collective: every rank must pass the same whole state."""
-        self._drain()
-        self.copier.finish_uploads()  # no upload may land over the loaded params
-        self._consolidated = None
-        checkpoint.load_state_dict(self, state_dict)
-        self._watch.note_written()

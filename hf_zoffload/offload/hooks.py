@@ -63,6 +63,24 @@ def register_param_waits(owner, method: str, model, params) -> list:
     return handles
 
 
+class ParamWaits:
+    """`ZeroOffloadOptimizer`'s side of `register_param_waits` (``copier``, ``_where``
+    and ``_module_keys``, reset with each layout, are the engine's)."""
+
+    def _wait_params(self, module) -> None:
+        """Before ``module``'s forward or state_dict: the device waits for the buckets of
+        its params; None (after the model's forward): for every upload still pending."""
+        if module is None:
+            self.copier.finish_uploads()
+            return
+        keys = self._module_keys.get(module)
+        if keys is None:
+            keys = self._module_keys[module] = sorted({
+                self._where[p][0].layout.index for p in module.parameters(recurse=False)
+                if p in self._where})
+        self.copier.wait_ready(keys)
+
+
 def _remove(handles) -> None:
     for h in handles:
         h.remove()

@@ -23,11 +23,16 @@ starts from the layout it saved (checkpoint.py).
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from .host import HostPool
 from .layout import build_layouts
 from .state import Bucket, empty_state, zero_gaps
+
+logger = logging.getLogger(__name__)
 
 
 class ArrivalOrder:
@@ -87,3 +92,46 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
             st.set_moments(own.start, m, v)  # own.start starts a block (8-bit moments)
         b.state = None  # every param of it has moved
     return pool, [Bucket(lay, st) for lay, st in zip(layouts, states)]
+
+
+class BucketOrder:
+    """`ZeroOffloadOptimizer`'s bucket order: the fact and the re-layout (``_fill``,
+    ``_arrival``, ``_install``, ``_drain`` and the rest are the engine's)."""
+
+    @property
+    def bucket_order(self) -> list[int]:
+        """Param indices (torch's state_dict keys) in the order the buckets fill: the
+        reversed param order until the first step, then the order in which the first
+        backward's gradients arrived (reorder.py)."""
+        return list(self._fill)
+
+    def set_bucket_order(self, order) -> None:
+        """Fill the buckets in ``order`` (param indices; trainable params missing from it
+        follow in their current order, others are ignored), moving the host state; the
+        first backward's order is then no longer adopted. With N ranks a collective; the
+        first rank's order wins. Between steps only (checkpoints call it when loading)."""
+        fill = self._fill
+        known = set(fill)
+        order = [i for i in dict.fromkeys(int(i) for i in order) if i in known]
+        placed = set(order)
+        order = self.exchange.agree(order + [i for i in fill if i not in placed])
+        self._arrival = None
+        if order == fill:
+            return
+        self._drain()
+        for b in self.buckets:  # no copy may still use the old buffers
+            self.copier.wait_landed(b.layout.index)
+            self.copier.wait_uploaded(b.layout.index)
+        t0 = time.perf_counter()
+        # Drop every view of the old pool first: its pinned blocks go back to torch's
+        # cache, where the new pool's blocks of the same sizes come from.
+        pin, self.host_pool = self.host_pool.pin, None
+        self.exchange.attach([], self._check, None)
+        pool, buckets = relayout(
+            self.buckets, order, exchange=self.exchange, dtype=self.dtype,
+            state_dtype=self.plugin.state_dtype, pin=pin, **self._cut)
+        self._install(order, pool, buckets)
+        self._reset_window()
+        self.relayout_seconds = time.perf_counter() - t0
+        logger.info("ZeRO-Offload: %d buckets re-laid out in gradient arrival order (%.2f s)",
+                    len(buckets), self.relayout_seconds)
