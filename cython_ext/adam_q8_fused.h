@@ -7,7 +7,7 @@
  * registers; (2) the params and their 16-bit copy from the tiles; (3) encode the tiles with the
  * new scales.  The same operations as hz_q8_decode / hz_math_q8 / hz_q8_encode, so the same
  * bits.  Taken by the portable path instead: a block whose length is not a multiple of 16 (only
- * a buffer's last), a block whose stored exp_avg scale is NaN or negative (hz_q8_mdec), and the
+ * a buffer's last), a block whose exp_avg scale times beta1 is NaN or negative (hz_q8_mdec), and the
  * encode of a block with an inf or NaN in its new moments (hz_q8_pack32).
  *
  * Single thread, 64K elements (in cache), bf16 grads in / bf16 params out over them, Zen 3:
@@ -57,10 +57,9 @@ static inline __m256 HZ_FN(hz_q8_udec)(__m256i x, __m256 us) {
  * vpackusdw makes it 0).  With a clamp at the top, checked against hz_q_code for every finite
  * y >= 0; see hz_q8_pack32 for why the top needs none here. */
 static inline __m256i HZ_FN(hz_q8_code8)(__m256 y, const int sh, const int bias) {
-    __m256i u = _mm256_castps_si256(y);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, sh), _mm256_set1_epi32(1));
-    __m256i t = _mm256_add_epi32(u, _mm256_set1_epi32((1 << (sh - 1)) - 1 - (bias << sh)));
-    return _mm256_srai_epi32(_mm256_add_epi32(t, lsb), sh);
+    __m256i t = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_set1_epi32((1 << (sh - 1)) -
+                                                                            (bias << sh)));
+    return _mm256_srai_epi32(t, sh);
 }
 
 /* 4 x 8 codes -> 32 bytes, negative ones 0, in vpackus's lane order (hz_q8_store32 puts them in
@@ -124,19 +123,19 @@ HZ_FN(hz_q8_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, co
     uint16_t *out = (uint16_t *)a->out16;
     const void *grad = a->grad;
     const __m256 gs = _mm256_set1_ps(a->grad_scale), decay = _mm256_set1_ps(a->decay);
-    const __m256 l2 = _mm256_set1_ps(a->l2), c = _mm256_set1_ps(a->lerp_coef);
-    const __m256 b2 = _mm256_set1_ps(a->beta2), omb2 = _mm256_set1_ps(a->one_minus_beta2);
+    const __m256 l2 = _mm256_set1_ps(a->l2), c = _mm256_set1_ps(a->one_minus_beta1);
+    const __m256 omb2 = _mm256_set1_ps(a->one_minus_beta2);
     const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
     const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i selm[2] = {HZ_Q8SEL(3, 0), HZ_Q8SEL(3, 8)};  /* code << 24 */
     const __m256i selu[2] = {HZ_Q8SEL(2, 0), HZ_Q8SEL(2, 8)};  /* code << 16 */
-    const int l2_on = a->l2_on, small = a->lerp_small;
+    const int l2_on = a->l2_on;
     const size_t bs = (size_t)a->qblock;
     const int pf = hi - lo >= HZ_PREFETCH_MIN;
     for (size_t b0 = lo; b0 < hi; b0 += bs) {
         size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
-        const float msf = a->m_scale[blk], usf = a->v_scale[blk];
+        const float msf = a->m_scale[blk] * a->beta1, usf = a->v_scale[blk] * a->sqrt_beta2;
         if ((n & 15u) || hz_bits(msf) > 0x7f800000u) {  /* see the top of this file */
             HZ_FN(hz_q8_range)(a, b0, b0 + n);
             continue;
@@ -161,9 +160,8 @@ HZ_FN(hz_q8_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, co
                 __m256 uo = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), us);
                 if (l2_on)
                     g = _mm256_fmadd_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(p + e), decay), g);
-                mi = _mm256_fmadd_ps(c, _mm256_sub_ps(g, mi), small ? mi : g);
-                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
-                                            _mm256_mul_ps(b2, _mm256_mul_ps(uo, uo)));
+                mi = _mm256_fmadd_ps(c, g, mi);
+                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(uo, uo));
                 __m256 si = _mm256_sqrt_ps(vi);
                 _mm256_store_ps(mt + j + 8 * h, mi);
                 _mm256_store_ps(ut + j + 8 * h, si);

@@ -43,6 +43,9 @@ cdef extern from "adam_kernel.h" nogil:
         float eps
         float neg_step
         float inv_ratio_cap
+        float beta1
+        float one_minus_beta1
+        float sqrt_beta2
 
     ctypedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi) noexcept nogil
 

@@ -82,7 +82,8 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
               double grad_scale, double decay, double l2, double lerp_coef, double beta2,
               double one_minus_beta2, double inv_bc2_sqrt, double eps, double neg_step,
               int num_threads, int variant, int state_kind=HZ_F32, size_t m_scale=0,
-              size_t v_scale=0, int qblock=0, double inv_ratio_cap=0.0):
+              size_t v_scale=0, int qblock=0, double inv_ratio_cap=0.0, double beta1=0.0,
+              double sqrt_beta2=0.0):
     """Run the pass over n elements; the GIL is released for the whole pass."""
     cdef hz_adam_args a
     cdef hz_range_fn fn = hz_select(variant)
@@ -96,6 +97,9 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
     a.state_kind = state_kind
     a.qblock = qblock
     a.inv_ratio_cap = <float>inv_ratio_cap
+    a.beta1 = <float>beta1
+    a.one_minus_beta1 = <float>(1.0 - beta1)
+    a.sqrt_beta2 = <float>sqrt_beta2
     a.grad = <const void *>grad
     a.out16 = <void *>out16
     a.grad_kind = grad_kind

@@ -282,7 +282,7 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         ext.VARIANTS[variant], _STATE_KIND[exp_avg.dtype],
         0 if scales is None else scales[0].data_ptr(),
         0 if scales is None else scales[1].data_ptr(), qblock,
-        1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0,
+        1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0, beta1, beta2**0.5,
     )
 
 
@@ -330,10 +330,8 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
 def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step, lr, beta1,
                        beta2, eps, wd, gs, adamw_mode, bias_correction):
     """The reference over bf16 or 8-bit moments (validated by the caller)."""
-    q8 = exp_avg.dtype == torch.uint8
-    m, v = decode_reference(exp_avg, exp_avg_sq, *scales) if q8 else \
-        (exp_avg.float(), exp_avg_sq.float())
-    if not q8:
+    if exp_avg.dtype != torch.uint8:
+        m, v = exp_avg.float(), exp_avg_sq.float()
         adam_update_reference(master, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2,
                               eps=eps, weight_decay=wd, grad_scale=gs, adamw_mode=adamw_mode,
                               bias_correction=bias_correction, out16=out16)
@@ -344,8 +342,12 @@ def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step
     master.mul_(1.0 - lr * wd if adamw_mode else 1.0)
     if not adamw_mode and wd != 0.0:
         g = g.add(master, alpha=wd)
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    # the kernel's m' = fma(1 - b1, g, b1 m), v' = fma((1 - b2) g, g, b2 v), its decayed moments
+    # decoded with b1 and sqrt(b2) folded into the block scales (all four rounded to fp32)
+    m, v = decode_reference(exp_avg, exp_avg_sq, scales[0] * _f32(beta1),
+                            scales[1] * _f32(beta2**0.5))
+    m.addcmul_(g, torch.full_like(g, _f32(1.0 - beta1)))  # 1 * g exact: fma(g, 1 - b1, m)
+    v.addcmul_(g, g, value=1.0 - beta2)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     s = v.double().sqrt().float()  # correctly rounded, as sqrtf

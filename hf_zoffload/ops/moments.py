@@ -111,7 +111,7 @@ def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
 
 def _code(y: torch.Tensor, mbits: int, bias: int, top: int) -> torch.Tensor:
     u, sh = _bits(y), 23 - mbits
-    k = ((u + ((1 << (sh - 1)) - 1) + ((u >> sh) & 1)) >> sh) - bias
+    k = ((u + (1 << (sh - 1))) >> sh) - bias  # to nearest, ties away from zero
     return k.clamp(0, top)
 
 
