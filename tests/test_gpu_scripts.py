@@ -334,6 +334,7 @@ case "$*" in
   *gpu_clm_compare.py*) echo "summary: clm figures";;
   *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
   *bench_offload.py*) echo "| path | tokens/s |";;
+  *bench_cpu_adam.py*--threads\ 1,[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
   *) echo "unexpected: $*" >&2; exit 9;;
 esac
 """
@@ -360,12 +361,15 @@ def test_gpu_check_stages_figures_and_at_most_five_files(tmp_path):
     rows = re.findall(r"^\| (\w+) \| ([^|]+) \| \d+ \| (\d+) \| ([\w.]+) \|$", summary, re.M)
     assert [r[0] for r in rows] == ["env", "cuda", "build", "gpu_tests", "race",
                                     "race_sanitizer", "nccl_one_rank", "host_memory",
-                                    "run_clm", "bench_scaling", "bench_offload"]
+                                    "run_clm", "bench_scaling", "bench_offload",
+                                    "bench_cpu_adam"]
     assert {r[0] for r in rows if r[1] != "pass"} == {"host_memory"}
     assert [r[3] for r in rows][:3] == ["env.log", "cuda.log", "logs.txt"]
     assert "## race\n\n| config | vs CPU engine |\n| fp16 | equal |\n" in summary
     assert "## gpu_tests\n\n24 passed in 51.20s\n" in summary
     assert "## bench_scaling\n\n| method | GB/s |\n| ours | 3000 |\n" in summary
+    assert "## bench_cpu_adam\n\n| path | of ceiling |\n" in summary  # table lines only
+    assert re.search(r"^- host CPU: .+; \d+ logical CPUs; ", summary, re.M)
     assert "## host_memory: fail (exit 1) (last 40 lines of its log)" in summary
     assert "host went wrong" in summary
     logs = (out / "logs.txt").read_text()
