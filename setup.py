@@ -109,6 +109,7 @@ def _extensions():
             "cython_ext/cpu_adam.pxd",
             "cython_ext/adam_kernel.h",
             "cython_ext/adam_kernel_body.h",
+            "cython_ext/adam_fused.h",
             "cython_ext/adam_q8_portable.h",
             "cython_ext/adam_q8_fused.h",
         ],
