@@ -288,4 +288,17 @@ static void hz_traffic_range(float *restrict a, float *restrict b, float *restri
     }
 }
 
+/* The same for the engine's call over 8-bit moments (16 B/param): the fp32 params, the 16-bit
+ * grads (new params written over them) and the two code bytes, each read and written in place
+ * (the per-block scales, 1/16 B/param, left out). */
+static void hz_traffic8_range(float *restrict p, uint16_t *restrict g, uint8_t *restrict mc,
+                              uint8_t *restrict uc, size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+        p[i] += 1.0f;
+        g[i] += 1u;
+        mc[i] += 1u;
+        uc[i] += 1u;
+    }
+}
+
 #endif /* HF_ZOFFLOAD_ADAM_KERNEL_H */

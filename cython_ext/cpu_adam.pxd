@@ -58,3 +58,5 @@ cdef extern from "adam_kernel.h" nogil:
     void hz_q8_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
                           const float *ms, const float *us, size_t n, size_t bs)
     void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)
+    void hz_traffic8_range(float *p, unsigned short *g, unsigned char *mc, unsigned char *uc,
+                           size_t lo, size_t hi)

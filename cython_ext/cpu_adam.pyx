@@ -61,20 +61,29 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
         fn(a, lo, hi)
 
 
-cdef void _traffic_parallel(float *p, float *m, float *v, const float *g, size_t n,
+cdef inline void _traffic_range(int q8, void *a, void *b, void *c, void *d, size_t lo,
+                                size_t hi) noexcept nogil:
+    if q8:
+        hz_traffic8_range(<float *>a, <unsigned short *>b, <unsigned char *>c,
+                          <unsigned char *>d, lo, hi)
+    else:
+        hz_traffic_range(<float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
+
+
+cdef void _traffic_parallel(int q8, void *a, void *b, void *c, void *d, size_t n,
                             int num_threads) noexcept nogil:
     cdef size_t chunk, lo, hi
-    cdef Py_ssize_t c, nchunks
+    cdef Py_ssize_t k, nchunks
     num_threads = _threads_for(n, num_threads)
     if num_threads <= 1:
-        hz_traffic_range(p, m, v, g, 0, n)
+        _traffic_range(q8, a, b, c, d, 0, n)
         return
     chunk = _chunk_for(n, num_threads, ALIGN)  # the kernel's split, so the ceiling is comparable
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
-    for c in prange(nchunks, schedule="static", num_threads=num_threads):
-        lo = <size_t>c * chunk
+    for k in prange(nchunks, schedule="static", num_threads=num_threads):
+        lo = <size_t>k * chunk
         hi = lo + chunk if lo + chunk < n else n
-        hz_traffic_range(p, m, v, g, lo, hi)
+        _traffic_range(q8, a, b, c, d, lo, hi)
 
 
 def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size_t out16,
@@ -122,7 +131,16 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
 def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads):
     """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3)."""
     with nogil:
-        _traffic_parallel(<float *>a, <float *>b, <float *>c, <const float *>d, n, num_threads)
+        _traffic_parallel(0, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
+
+
+def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes, size_t n,
+                    int num_threads):
+    """Memory ceiling over 8-bit moments: fp32 params, 16-bit grads and two code bytes, each
+    read and written in place (16 B/param, the engine's int8 call less its block scales)."""
+    with nogil:
+        _traffic_parallel(1, <void *>param, <void *>grad16, <void *>m_codes, <void *>v_codes, n,
+                          num_threads)
 
 
 def q8_encode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,

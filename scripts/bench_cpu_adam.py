@@ -15,6 +15,9 @@ Rows per (size, threads):
   ours ... over grads  the engine's call: the new 16-bit params written over the 16-bit grads
                      just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
                      int8 (16 + 8 B per block of scales; one row per --qblocks block size)
+  int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
+                     writes in place the fp32 params, the 16-bit grads and the two code bytes
+                     (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
 
 ms/step is the median of --repeats timed calls after one warm-up; GB/s counts the nominal bytes
 above; "of ceiling" is the row's GB/s over the ceiling's, the fraction of the measured memory
@@ -136,6 +139,8 @@ def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.
         scales = (torch.zeros(-(-n // qb)), torch.zeros(-(-n // qb)))
         add(f"ours int8 state (block {qb}), out over grads",
             _time(compact(mc, vc, scales, qb), repeats), 16 + 16 / qb)
+    add("int8 ceiling (read 8, write 8)", _time(lambda: ext.traffic_pass_q8(  # last: adds 1s
+        p.data_ptr(), g.data_ptr(), mc.data_ptr(), vc.data_ptr(), n, threads), repeats), 16)
     return rows
 
 

@@ -334,7 +334,7 @@ case "$*" in
   *gpu_clm_compare.py*) echo "summary: clm figures";;
   *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
   *bench_offload.py*) echo "| path | tokens/s |";;
-  *bench_cpu_adam.py*--threads\ 1,[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
+  *bench_cpu_adam.py*"--threads 1,"[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
   *) echo "unexpected: $*" >&2; exit 9;;
 esac
 """

@@ -306,3 +306,22 @@ def test_overlapping_buffers_rejected():
 def test_unknown_variant_rejected():
     with pytest.raises(ValueError, match="variant"):
         ca._update(**_good(), step=1, lr=1e-3, weight_decay=0.0, variant="sse9", **HP)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097, 100_003])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_traffic_passes_touch_every_element_once(n, threads):
+    """The benchmark's memory ceilings: each stream read and written once over the whole range,
+    with the kernel's split across threads."""
+    ext = ca._ext()
+    a, b, c, d = (torch.arange(n, dtype=torch.float32) + k for k in range(4))
+    ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads)
+    base = torch.arange(n, dtype=torch.float32)
+    for t, k in ((a, 0), (b, 1), (c, 2)):
+        assert torch.equal(t, base + k + (base + 3))
+    assert torch.equal(d, base + 3)
+    p, g = torch.zeros(n), torch.full((n,), 5, dtype=torch.int16)
+    mc, uc = torch.full((n,), 254, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    ext.traffic_pass_q8(p.data_ptr(), g.data_ptr(), mc.data_ptr(), uc.data_ptr(), n, threads)
+    assert (p == 1).all() and (g == 6).all() and (mc == 255).all() and (uc == 1).all()
+

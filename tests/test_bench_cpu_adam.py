@@ -1,0 +1,25 @@
+"""scripts/bench_cpu_adam.py at a tiny size: every row is printed once per thread count, with
+the bytes per param each path moves."""
+
+import re
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_prints_every_row_with_its_bytes(capsys):
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench_cpu_adam.py"))  # main() not run
+    argv = ["--sizes", "4K", "--threads", "1,2", "--repeats", "1", "--qblocks", "16,256"]
+    assert bench["main"](argv) == 0
+    rows = re.findall(r"^\| 0\.004M \| (\d) \| ([^|]+?) \| ([\d.]+) \| [\d.]+ \|",
+                      capsys.readouterr().out, re.M)
+    for threads in ("1", "2"):
+        got = {name: float(nbytes) for t, name, nbytes in rows if t == threads}
+        assert list(got)[0] == "ceiling (read 4, write 3)"
+        assert list(got)[-1] == "int8 ceiling (read 8, write 8)"
+        assert got["ours fp32 state, out over grads"] == 28
+        assert got["ours bf16 state, out over grads"] == 20
+        assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
+        assert got["ours int8 state (block 256), out over grads"] == 16.0625
+        assert got["int8 ceiling (read 8, write 8)"] == 16
