@@ -5,13 +5,19 @@ import re
 import runpy
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_prints_every_row_with_its_bytes(capsys):
     bench = runpy.run_path(str(ROOT / "scripts" / "bench_cpu_adam.py"))  # main() not run
     argv = ["--sizes", "4K", "--threads", "1,2", "--repeats", "1", "--qblocks", "16,256"]
-    assert bench["main"](argv) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert bench["main"](argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # main() sets it per row
     rows = re.findall(r"^\| 0\.004M \| (\d) \| ([^|]+?) \| ([\d.]+) \| [\d.]+ \|",
                       capsys.readouterr().out, re.M)
     for threads in ("1", "2"):
