@@ -6,18 +6,25 @@
  * update and sqrt(v), new m and sqrt(v) to two L1 tiles, their largest magnitudes in
  * registers; (2) the params and their 16-bit copy from the tiles; (3) encode the tiles with the
  * new scales.  The same operations as hz_q8_decode / hz_math_q8 / hz_q8_encode, so the same
- * bits.  Taken by the portable path instead: a block whose length is not a multiple of 16 (only
- * a buffer's last), a block whose exp_avg scale times beta1 is NaN or negative (hz_q8_mdec), and the
- * encode of a block with an inf or NaN in its new moments (hz_q8_pack32).
+ * bits.  Taken by the portable path instead: a block whose length is not a multiple of 16
+ * (only a buffer's last), a block whose exp_avg scale times beta1 is NaN or negative
+ * (hz_q8_mdec), and the encode of a block with an inf or NaN in its new moments
+ * (hz_q8_pack32).
  *
  * Single thread, 64K elements (in cache), bf16 grads in / bf16 params out over them, Zen 3:
- * 1.54 -> 1.02 ns/param (quietest of many runs; 1.62 in docs/design.md).  Where from: codes
- * widened and decoded with in-lane byte shuffles and vpsignd (no vpmovzxbd, compare and mask);
- * the encode's bias folded into its rounding constant, its clamps and signs applied on packed
- * 16- and 8-bit lanes; the bf16 copy rounded 16 lanes at a time (hz_bf16x16); ~14% from
- * splitting the update at sqrt(v) into passes 1 and 2 (as hz_fused).  Tried and slower: the
- * encode inside pass 2 (-6%; its sqrt(v) half alone -5%), the encode of the previous block
- * interleaved with this one's update (-14%), a separate decode pass (no change). */
+ * 1.54 -> 1.02 -> 0.89 ns/param (quietest of many runs).  Where from: codes widened and
+ * decoded with in-lane byte shuffles and vpsignd (no vpmovzxbd, compare and mask); the
+ * encode's bias folded into its rounding constant, its clamps and signs applied on packed 16-
+ * and 8-bit lanes; the bf16 copy rounded 16 lanes at a time (hz_bf16x16); ~14% from splitting
+ * the update at sqrt(v) into passes 1 and 2 (as hz_fused); ~6% from rounding ties away (the
+ * encode: 2 ops per 8 lanes, not 5) and ~3% from beta1 and sqrt(beta2) in the decode scales
+ * (no lerp subtract, no multiply by beta2).  The pass is then ~140 instructions per 16
+ * elements, about 3.5 per cycle: pass 1 ~45%, pass 2 ~35%, the encode ~20% of the time.
+ * Tried and slower: the encode inside pass 2 (-6%; its sqrt(v) half alone -5%), the encode of
+ * the previous block interleaved with this one's update (-14%), a separate decode pass (no
+ * change), one burst of prefetches per block instead of one per line in pass 1 (100M params,
+ * 1 thread: -10%).  Measured and left: no sqrt at all would save 8%; prefetch hints T1 / NTA
+ * and distances 1024-4096 made no difference at 100M params. */
 
 /* In-lane byte shuffles that move code byte e (of 16 broadcast to both lanes) to byte `at` of
  * 32-bit lane e - 8h (h: which 8 of the 16), zeroing the others: the code shifted left by

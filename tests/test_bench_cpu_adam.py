@@ -1,5 +1,6 @@
-"""scripts/bench_cpu_adam.py at a tiny size: every row is printed once per thread count, with
-the bytes per param each path moves."""
+"""The CPU-Adam benchmarks at tiny sizes: bench_cpu_adam.py prints every row once per thread
+count, with the bytes per param each path moves; bench_kernel_loop.py builds its C driver and
+times every state."""
 
 import re
 import runpy
@@ -29,3 +30,10 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
         assert got["ours int8 state (block 256), out over grads"] == 16.0625
         assert got["int8 ceiling (read 8, write 8)"] == 16
+
+
+def test_kernel_loop_builds_and_times_every_state():
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench_kernel_loop.py"))
+    ns = loop["run"](4096, 3, 1)
+    assert list(ns) == ["fp32", "bf16", "int8"]
+    assert all(0 < v < 1e6 for v in ns.values()), ns
