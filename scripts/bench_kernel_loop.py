@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# setup.py BASE_FLAGS and its native build (no OpenMP: the driver runs one thread)
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-march=native"]
 STATES = {"fp32": 0, "bf16": 2, "int8": 4}  # adam_kernel.h's HZ_F32, HZ_BF16, HZ_Q8
 

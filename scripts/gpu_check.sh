@@ -49,7 +49,7 @@ DONE=()         # names of the stages run, in order
 FAILED=()       # "name|result" of each stage that did not pass
 NOTE=""         # a line for the top of the summary
 OWN_LOG=" env cuda "                     # stages whose log stays a file of its own in $OUT
-TABLES=" bench_scaling bench_offload bench_cpu_adam "  # stages whose markdown tables are their figures
+TABLES=" bench_scaling bench_offload bench_cpu_adam "  # stages whose markdown tables are figures
 
 info() {  # info KEY: the value of an "info KEY: value" line printed by the env or cuda stage
     local value
@@ -297,7 +297,7 @@ stage bench_scaling 25 "$PY" scripts/bench_scaling.py --elements 250000000
 stage bench_offload 55 "$PY" scripts/bench_offload.py --device cuda
 # Last, so it never takes time from a GPU check: the CPU-Adam on the host CPU, another x86 than
 # the development VM (often with AVX-512: issue 12 asks for >= 0.90 of the ceiling there too).
-# 10M params (280 MB a pass in fp32, past any L3), 1 thread and all of them, one int8 block
+# 10M params (280 MB a pass in fp32, past most L3s), 1 thread and all of them, one int8 block
 # size: 15 s on the 2-vCPU VM, 5 s of it importing DeepSpeed, which the device lacks.
 stage bench_cpu_adam 20 "$PY" scripts/bench_cpu_adam.py --sizes 10M --threads "1,$(nproc)" \
     --repeats 5 --qblocks 256
