@@ -25,8 +25,8 @@
  * change), one burst of prefetches per block instead of one per line in pass 1 (100M params,
  * 1 thread: -10%).  Measured and left: no sqrt at all would save 8%, no encode pass 21%
  * (0.89 -> 0.70 ns/param); power-of-two block scales with the encode on 16-bit halves (no
- * multiply, 16 lanes per add and shift) changed nothing measurable: the encode's time goes to
- * its shifts and packs, which share two of Zen 3's four vector pipes.  Prefetch hints T1 / NTA
+ * multiply, 16 lanes per add and shift) changed nothing measurable, most likely because the
+ * encode's shifts and packs share two of Zen 3's four vector pipes.  Prefetch hints T1 / NTA
  * and distances 1024-4096 made no difference at 100M params. */
 
 /* In-lane byte shuffles that move code byte e (of 16 broadcast to both lanes) to byte `at` of
