@@ -123,6 +123,14 @@ class _HostWork:
             raise RuntimeError("host work after a device-to-host copy failed") from err
 
 
+def _event(*, timing: bool = False) -> torch.cuda.Event:
+    """Every event is made blocking: a host wait on one (wait_landed, wait_uploaded, the
+    host-work thread's, and any a later change adds) then sleeps in the driver instead of
+    spinning a core that the CPU-Adam needs; for an event only the device waits on, the flag
+    costs nothing."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
 class CudaCopier:
     """Params on a CUDA device; every copy runs on one side stream."""
 
@@ -164,15 +172,13 @@ class CudaCopier:
             yield
 
     def _start(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True, blocking=True)  # nobody waits on it; uniform
+        ev = _event(timing=True)
         ev.record(self.stream)
         return ev
 
     def _record(self, events: dict, key: int, kind: str, start: torch.cuda.Event) -> None:
-        # The host waits on these (wait_landed, wait_uploaded): a blocking event sleeps in
-        # the driver instead of spinning a core that the CPU-Adam needs. Timed, so that the
-        # copy's duration on the device can be read later (device_times).
-        ev = torch.cuda.Event(enable_timing=True, blocking=True)
+        # Timed, so that the copy's duration on the device can be read later (device_times).
+        ev = _event(timing=True)
         ev.record(self.stream)
         events[key] = ev
         self._timed.append((kind, start, ev))
@@ -211,7 +217,7 @@ class CudaCopier:
         buf = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
         with self.side():
             buf.copy_(host, non_blocking=self.pinned)
-            ev = torch.cuda.Event()
+            ev = _event()
             ev.record(self.stream)
         buf.record_stream(self.stream)
         # The hooks add into `buf` on the compute stream: only after it has landed.
@@ -261,7 +267,7 @@ class CudaCopier:
     def mark_ready(self, key: int) -> None:
         """Bucket ``key``'s params are all queued on the side stream (uploads, or the copies
         out of an all-gather): an event the compute stream can wait for."""
-        ev = torch.cuda.Event()  # only the device waits on it
+        ev = _event()
         ev.record(self.stream)
         self._ready[key] = ev
 

@@ -143,6 +143,33 @@ def test_delayed_thread_error_is_raised_on_the_caller():
     assert not d.running
 
 
+def test_every_cuda_event_is_made_blocking(monkeypatch):
+    """No GPU here: every event of the package comes from ``copier._event`` (the source
+    says so), and that asks torch for a blocking one, timed or not."""
+    import ast
+    import pathlib
+
+    import hf_zoffload
+    from hf_zoffload.offload import copier
+
+    makers = []
+    for path in pathlib.Path(hf_zoffload.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+                            "cuda.Event"):
+                        makers.append((path.name, fn.name))
+    assert makers == [("copier.py", "_event")]
+    made = []
+    monkeypatch.setattr(copier.torch.cuda, "Event", lambda **kw: made.append(kw))
+    copier._event()
+    copier._event(timing=True)
+    assert made == [{"enable_timing": False, "blocking": True},
+                    {"enable_timing": True, "blocking": True}]
+
+
 @pytest.mark.gpu
 def test_cuda_host_waits_use_blocking_events(monkeypatch):
     made = []
