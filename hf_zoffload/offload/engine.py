@@ -292,25 +292,31 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         if self.last_step_skipped:
             self.skipped_steps += 1
         else:
-            # An explicit clip_grad_norm_ follows torch (0 zeroes the update); the plugin's
-            # max_grad_norm uses 0 for "off".
-            max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
-            coef = min(1.0, max_norm / (norm + 1e-6)) \
-                if self._clip is not None or max_norm > 0 else 1.0
-            work = plan(self.buckets, self.param_groups, self.param_steps,
-                        self._inv_scale() * coef,
-                        in_place=self.copier.params_on_host and not delayed)
-            self.applied_steps += 1
-            if delayed:
-                self._start_delayed(work)
-            else:
-                self._run(work, upload=True)
-                self._watch.note_written()
+            self._apply(norm, delayed=delayed)
         self._reset_window()
         if self._arrival is not None:  # the first step, on every rank alike
+            # After _apply has returned: its plan held views of every landing buffer, and
+            # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
             self.set_bucket_order(self._arrival.order(self._fill))
         self._t_step_end = time.perf_counter()
         return loss
+
+    def _apply(self, norm: float, *, delayed: bool) -> None:
+        """Plan and run (or start, ``delayed``) the CPU-Adam over this window's grads."""
+        # An explicit clip_grad_norm_ follows torch (0 zeroes the update); the plugin's
+        # max_grad_norm uses 0 for "off".
+        max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
+        coef = min(1.0, max_norm / (norm + 1e-6)) \
+            if self._clip is not None or max_norm > 0 else 1.0
+        work = plan(self.buckets, self.param_groups, self.param_steps,
+                    self._inv_scale() * coef,
+                    in_place=self.copier.params_on_host and not delayed)
+        self.applied_steps += 1
+        if delayed:
+            self._start_delayed(work)
+        else:
+            self._run(work, upload=True)
+            self._watch.note_written()
 
     def _run(self, work: list[Work], *, upload: bool) -> None:
         self.timings["cpu_adam"], t_publish = run(

@@ -201,6 +201,27 @@ def test_the_old_buckets_and_pool_are_freed():
     assert opt.relayout_seconds is not None and pool() is None and state() is None
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_the_old_pool_is_gone_before_the_new_one_is_allocated(monkeypatch, delayed):
+    """The re-layout frees the old landing buffers (2 B/param, pinned on CUDA) before it
+    allocates the new pool: nothing, the step's own plan included, holds a view of them by
+    then. Storage weak references, no gc.collect(): refcounts alone must free them."""
+    model, opt = _engine("llama", compute="bf16", delayed_update=delayed,
+                         delayed_update_warmup_steps=0)
+    old = [weakref.ref(b.state.grads.grad16.untyped_storage()) for b in opt.buckets]
+    alive_at_alloc = []
+    real = reorder_mod.HostPool._block
+
+    def block(pool, nbytes):
+        alive_at_alloc.append(sum(r() is not None for r in old))
+        return real(pool, nbytes)
+
+    monkeypatch.setattr(reorder_mod.HostPool, "_block", block)
+    _steps(model, opt, batches(1))
+    assert opt.relayout_seconds is not None and alive_at_alloc
+    assert alive_at_alloc == [0] * len(alive_at_alloc), alive_at_alloc
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_zero_gaps_zeroes_exactly_what_no_param_covers(rank):
     from hf_zoffload.offload.host import HostPool
