@@ -14,6 +14,7 @@ reads them from there. Buffers that device copies touch are views of the engine'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -188,15 +189,34 @@ class Bucket:
     def out(self) -> torch.Tensor:
         """Where the CPU-Adam writes this shard's new 16-bit params when they are copied to
         the device (CUDA, the delayed update): over the 16-bit grads of the current set, read
-        by then. The fp32 compute dtype uploads the master itself."""
+        by then. The fp32 compute dtype has no 16-bit copy: the master itself where the
+        landing buffer is pageable (the CPU), else the pinned landing buffer, into which
+        `fill_from_master` copies the new master: a copy from pageable memory would be a
+        blocking, driver-staged upload per param."""
         g16 = self.state.grads.grad16
-        return self.state.master if g16.dtype == torch.float32 else g16
+        if g16.dtype == torch.float32 and not self.landing_pinned:
+            return self.state.master
+        return g16
+
+    @functools.cached_property
+    def landing_pinned(self) -> bool:
+        # Both sets of landing buffers come from the engine's one pool: pinned alike.
+        return self.state.grads.grad16.is_pinned()
+
+    def fill_from_master(self, out: torch.Tensor) -> bool:
+        """fp32 compute, ``out`` not the master: the whole shard's new master into ``out``
+        (after the CPU-Adam; params that got no gradient keep their value). Returns whether
+        it copied."""
+        if out.dtype != torch.float32 or out is self.state.master:
+            return False
+        out.copy_(self.state.master)
+        return True
 
     def fill_absent(self, out: torch.Tensor, present: list[bool]) -> None:
         """Slots that got no gradient (``present``): their current params, so that an
         upload of the whole shard leaves them as they are (rounding the master gives the
         device value bit for bit: the last upload, or the cast at placement, was that)."""
-        if out is self.state.master:
+        if out.dtype == torch.float32:  # the master, or filled from it whole after the update
             return
         for s, got in zip(self.layout.slots, present):
             if not got:

@@ -114,7 +114,7 @@ def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float,
             # one call per param (the kernel is bitwise the same for any split; with 8-bit
             # moments every param starts on a block, layout.py).
             parts = b.layout.param_pieces(r.lo, r.hi) if out is None else \
-                [(r.lo, r.hi, None if out is s.master else out[r.lo:r.hi])]
+                [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi])]
             g = r.hyper
             for a, z, out16 in parts:
                 # Unchecked: every buffer here was built and sized by this engine; the
@@ -126,6 +126,8 @@ def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float,
                     out16=out16, num_threads=threads,
                     scales=None if s.scales is None else
                     (s.scales[0][a // QBLOCK:], s.scales[1][a // QBLOCK:]))
+        if out is not None:
+            b.fill_from_master(out)  # fp32 compute: the upload reads pinned memory
         t1 = time.perf_counter()
         t_adam += t1 - t0
         if publish is not None:

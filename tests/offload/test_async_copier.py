@@ -19,6 +19,7 @@ import torch
 
 from hf_zoffload import ZeroOffloadOptimizer
 from hf_zoffload.offload.delayed import DelayedUpdate
+from hf_zoffload.offload.state import Bucket
 from tests.offload import _dp_worker as w
 from tests.offload._async_copier import AsyncCopier, installed, synchronize
 
@@ -164,6 +165,37 @@ def test_delayed_update_bitwise_through_async_copier(state):
     ref = _compare(4, steps=5, accum=2, compute_dtype="bf16", delayed_update=True,
                    delayed_update_warmup_steps=1, state_dtype=state)
     assert [s["host"] is None for s in ref[:-1]] == [False] + [True] * 4  # it overlapped
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_fp32_compute_uploads_from_the_pinned_landing_buffer(monkeypatch, delayed):
+    """fp32 compute where the landing buffers are pinned (CUDA): the new master is copied
+    into the landing buffer and every upload reads it from there, never the pageable master
+    (a blocking, driver-staged copy); bitwise the CPU engine's run."""
+    run = dict(steps=4, compute_dtype="fp32", delayed_update=delayed,
+               delayed_update_warmup_steps=1)
+    ref, _ = _train(**run)
+    filled, sources = set(), []
+    real_fill = Bucket.fill_from_master
+
+    def fill(self, out):
+        copied = real_fill(self, out)
+        if copied:
+            filled.add(out.data_ptr())
+        return copied
+
+    real_up = AsyncCopier.to_params
+
+    def to_params(self, key, layout, src):
+        sources.append(src.data_ptr())
+        return real_up(self, key, layout, src)
+
+    monkeypatch.setattr(Bucket, "landing_pinned", True)  # for the run below: as on CUDA
+    monkeypatch.setattr(Bucket, "fill_from_master", fill)
+    monkeypatch.setattr(AsyncCopier, "to_params", to_params)
+    got, counts = _train(seed=6, **run)
+    _same(got, ref, "step")
+    assert counts["to_params"] > 0 and sources and set(sources) <= filled
 
 
 # ------------------------------------------------------------ 2 gloo ranks
