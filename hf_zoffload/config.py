@@ -77,8 +77,14 @@ class ZeroOffloadPlugin:
     # The kernel takes the count as a C int (2**31 overflowed it at the first step, after the
     # host state was allocated); 2**15 is far above any host's hardware threads.
     cpu_threads: int = _knob(
-        0, "threads for the CPU-Adam; 0 uses the cores this process may run on divided by "
-        "the processes on this node (LOCAL_WORLD_SIZE).", minimum=0, maximum=2**15
+        0, "threads for the CPU-Adam and the engine's other host work; 0 uses the cores this "
+        "process may run on, divided by the processes on this node (LOCAL_WORLD_SIZE) unless "
+        "bind_cores gave it its own.", minimum=0, maximum=2**15
+    )
+    bind_cores: bool = _knob(
+        True, "with several processes on a node (LOCAL_WORLD_SIZE > 1), bind each to its "
+        "local rank's share of whole physical cores, unless its CPU affinity was narrowed "
+        "already (numactl, taskset, a launcher)."
     )
     state_dtype: str = _knob(
         "fp32",

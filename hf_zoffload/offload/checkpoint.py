@@ -23,6 +23,7 @@ import torch
 
 from ..ops.cpu_adam import check_hyper
 from .support import is_dtensor
+from .threads import host_threads
 
 FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -229,15 +230,17 @@ class Checkpoints:
             sd, self._consolidated = self._consolidated, None
             return sd
         self._drain()
-        return state_dict(self)
+        with host_threads(self.cpu_threads):  # the moments decoded, copies: host passes
+            return state_dict(self)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the state onto rank ``to``, a collective: every rank calls it (data or
         tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
         the next step. In one process there is nothing to gather and this does nothing."""
         self._drain()
-        self._consolidated = state_dict(self, to=to) \
-            if self.exchange.spans_ranks else None
+        with host_threads(self.cpu_threads):
+            self._consolidated = state_dict(self, to=to) \
+                if self.exchange.spans_ranks else None
 
     def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
         """A full-precision ``model.state_dict()``: each param this optimizer trains
@@ -245,7 +248,8 @@ class Checkpoints:
         they are. With N ranks a collective (every rank calls it) that returns the dict on
         rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
         self._drain()
-        return master_state_dict(self, model, to=to)
+        with host_threads(self.cpu_threads):
+            return master_state_dict(self, model, to=to)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved with any number of ranks; each rank keeps its shard, on the
@@ -253,5 +257,6 @@ class Checkpoints:
         self._drain()
         self.copier.finish_uploads()  # no upload may land over the loaded params
         self._consolidated = None
-        load_state_dict(self, state_dict)
+        with host_threads(self.cpu_threads):
+            load_state_dict(self, state_dict)
         self._watch.note_written()

@@ -21,14 +21,19 @@ import time
 import torch
 
 from .layout import BucketLayout
+from .threads import host_threads
 
 
 class HostCopier:
     """Params on the CPU: a "device" buffer is host memory already, so a device twin of a
-    host buffer is that buffer, and nothing is ever in flight."""
+    host buffer is that buffer, and nothing is ever in flight. Host work (`after_landed`)
+    runs at once, on ``threads`` threads."""
 
     pinned = False
     params_on_host = True  # the CPU-Adam may write the new params into their storage
+
+    def __init__(self, *, threads: int = 1):
+        self.threads = threads
 
     def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
         """The device buffer whose contents go to the host buffer ``host()`` (a callable: a
@@ -54,7 +59,8 @@ class HostCopier:
         pass
 
     def after_landed(self, key: int, fn) -> None:
-        fn()  # nothing is in flight; the caller's next write may be into fn's input
+        with host_threads(self.threads):
+            fn()  # nothing is in flight; the caller's next write may be into fn's input
 
     def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
         layout.copy_to_params(src, layout.start)
@@ -83,8 +89,9 @@ class _HostWork:
     (autograd's, in a grad hook) never waits for host arithmetic. Per key, `wait(key)`
     returns once that key's work is done, and raises a failure of it."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, threads: int = 1):
         self.device = device
+        self.threads = threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._pending: dict[int, int] = {}
@@ -107,7 +114,8 @@ class _HostWork:
             try:
                 if event is not None:
                     event.synchronize()
-                fn()
+                with host_threads(self.threads):  # this thread's pool: OMP_NUM_THREADS
+                    fn()
             except BaseException as exc:  # raised on the caller at its next wait
                 self._error = exc
             with self._cv:
@@ -136,11 +144,11 @@ class CudaCopier:
 
     params_on_host = False
 
-    def __init__(self, device: torch.device, *, pin: bool):
+    def __init__(self, device: torch.device, *, pin: bool, threads: int = 1):
         self.device = device
         self.pinned = pin
         self.stream = torch.cuda.Stream(device=device)
-        self._host_work = _HostWork(device)
+        self._host_work = _HostWork(device, threads=threads)
         self._landed: dict[int, torch.cuda.Event] = {}
         self._uploaded: dict[int, torch.cuda.Event] = {}
         self._ready: dict[int, torch.cuda.Event] = {}  # params written, not yet waited for
@@ -290,5 +298,8 @@ class CudaCopier:
         return time.perf_counter() - t0
 
 
-def make_copier(device: torch.device, *, pin: bool):
-    return CudaCopier(device, pin=pin) if device.type == "cuda" else HostCopier()
+def make_copier(device: torch.device, *, pin: bool, threads: int):
+    """The copier for params on ``device``; its host work runs on ``threads`` threads."""
+    if device.type == "cuda":
+        return CudaCopier(device, pin=pin, threads=threads)
+    return HostCopier(threads=threads)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import time
 
@@ -36,13 +37,17 @@ from .delayed import DelayedUpdate
 from .hooks import ParamWaits, queue_at_backward_end, register_grad_hooks, register_param_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
-from .memory import check_host_memory, engine_report
+from .memory import check_host_memory, engine_report, human
 from .params import ParamWatch, check_placement
+from .progress import Progress
 from .reorder import ArrivalOrder, BucketOrder
 from .state import Bucket, place
 from .support import check_clip_args, local_grad
 from .tensor_parallel import make_exchange
-from .update import Work, cpu_threads, plan, run
+from .threads import bind_local_rank, cpu_threads, host_threads
+from .update import Work, plan, run
+
+logger = logging.getLogger(__name__)
 
 
 class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Optimizer):
@@ -98,7 +103,11 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
-        self.cpu_threads = cpu_threads(plugin.cpu_threads, log=True)
+        # Before anything is allocated: the host state's pages are first touched from the
+        # cores this rank keeps.
+        self.bound_cpus = bind_local_rank() if plugin.bind_cores else None
+        self.cpu_threads = cpu_threads(plugin.cpu_threads, bound=self.bound_cpus is not None,
+                                       log=True)
         if param_order is None and model is not None:
             param_order = model.parameters()
         slots = collect_slots(self.param_groups, order=param_order,
@@ -107,7 +116,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         plugin.check_device(self.device.type)
         self.dtype = plugin.torch_dtype
         pin = self.device.type == "cuda" and plugin.pin_memory
-        self.copier = make_copier(self.device, pin=pin)
+        self.copier = make_copier(self.device, pin=pin, threads=self.cpu_threads)
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
         self.exchange = make_exchange(process_group, slots=slots, device=self.device,
                                       copier=self.copier, dtype=self.dtype,
@@ -118,12 +127,11 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                          align=QBLOCK if plugin.state_dtype == "int8" else 1)
         layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
                                 world=self.exchange.world, **self._cut)
-        check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin, pinned=pin,
-                          world=self.exchange.world)  # before anything is allocated
+        needed = check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin,
+                                   pinned=pin, world=self.exchange.world)  # before allocating
         pool = HostPool(layouts, pin=pin)
-        self._install([s.index for s in slots[::-1]], pool, [Bucket(lay, place(
-            lay, self.dtype, self.device, pool=pool, state_dtype=plugin.state_dtype,
-            flat=self.exchange.initial_values(lay))) for lay in layouts])
+        self._install([s.index for s in slots[::-1]], pool,
+                      self._place(layouts, pool, needed))
         self._arrival: ArrivalOrder | None = ArrivalOrder()  # None: the order is settled
         self.relayout_seconds: float | None = None  # how long the last re-layout took
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
@@ -167,6 +175,24 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                        for b in buckets for i, s in enumerate(b.layout.slots)}
         self._module_keys: dict = {}  # module -> the buckets of its params (_wait_params)
         self._watch = ParamWatch(buckets)
+
+    def _place(self, layouts, pool: HostPool, needed: dict[str, int]) -> list[Bucket]:
+        """The host state of every bucket from the params' values (each param then becomes
+        its compute-dtype copy), logged with its size and seconds: seconds per GiB."""
+        landing = sum(v for k, v in needed.items() if k.startswith("grad_"))
+        progress = Progress(logger, "allocating the host state", sum(needed.values()),
+                            detail=f"{human(landing)} of grad landing buffers"
+                                   f"{', pinned' if pool.pin else ''}")
+        buckets, own = [], 0
+        with host_threads(self.cpu_threads):
+            for lay in layouts:
+                buckets.append(Bucket(lay, place(
+                    lay, self.dtype, self.device, pool=pool, state_dtype=self.plugin.state_dtype,
+                    flat=self.exchange.initial_values(lay))))
+                own += sum(buckets[-1].state.nbytes().values())
+                progress.at(own + sum(pool.held().values()))  # the pool: on first use
+        progress.done(f"pinning {pool.alloc_seconds:.2f} s" if pool.pin else "")
+        return buckets
 
     # ------------------------------------------------------------- public facts
     @property
@@ -264,7 +290,8 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         ``min(1, max_norm / (norm + 1e-6))``); return its unscaled global norm."""
         check_clip_args(max_norm, norm_type, error_if_nonfinite)
         self._clip = float(max_norm)
-        return torch.tensor(self._finalize()[1])
+        with host_threads(self.cpu_threads):  # an accumulated window's norm is a host pass
+            return torch.tensor(self._finalize()[1])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -272,6 +299,11 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with host_threads(self.cpu_threads):  # the host norm, fills, the re-layout
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         check_placement(self.buckets, self.device, self.dtype)
         self.copier.finish_uploads()  # what no forward waited for: before params are read
         self._watch.adopt_edits(update_in_flight=self.update_in_flight)
@@ -299,7 +331,6 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
             self.set_bucket_order(self._arrival.order(self._fill))
         self._t_step_end = time.perf_counter()
-        return loss
 
     def _apply(self, norm: float, *, delayed: bool) -> None:
         """Plan and run (or start, ``delayed``) the CPU-Adam over this window's grads."""

@@ -12,6 +12,7 @@ counts.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -64,6 +65,7 @@ class HostPool:
         self.layouts = layouts
         self.pin = pin
         self.pageable_reason: str | None = None
+        self.alloc_seconds = 0.0  # spent allocating blocks: pinning is most of it on CUDA
         self._views: dict[tuple, list[torch.Tensor]] = {}
         self._held: dict[tuple, int] = {}
 
@@ -80,7 +82,9 @@ class HostPool:
         views: list[torch.Tensor | None] = [None] * len(numels)
         held = 0
         for nbytes, placed in plan_blocks([n * size for n in numels], pinned=self.pin):
+            t0 = time.perf_counter()
             block = self._block(nbytes)
+            self.alloc_seconds += time.perf_counter() - t0
             held += nbytes
             for i, at in placed:
                 views[i] = block[at:at + numels[i] * size].view(dtype)

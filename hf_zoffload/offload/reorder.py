@@ -24,13 +24,14 @@ starts from the layout it saved (checkpoint.py).
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .host import HostPool
 from .layout import build_layouts
+from .progress import Progress
 from .state import Bucket, empty_state, zero_gaps
+from .threads import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +62,12 @@ class ArrivalOrder:
 
 
 def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel: int,
-             align: int, dtype: torch.dtype, state_dtype: str, pin: bool):
+             align: int, dtype: torch.dtype, state_dtype: str, pin: bool,
+             progress: Progress | None = None):
     """New buckets filled in ``order`` (param indices), with the host state of ``buckets``
     moved into them; returns (pool, buckets). ``buckets`` are unusable after.
-    No gradient may be held (end of a step) and no copy may still use their buffers."""
+    No gradient may be held (end of a step) and no copy may still use their buffers.
+    ``progress`` hears the bytes of the old state moved so far."""
     by_index = {s.index: s for b in buckets for s in b.layout.slots}
     layouts = build_layouts([by_index[i] for i in order], bucket_numel=bucket_numel,
                             rank=exchange.rank, world=exchange.world, align=align)
@@ -73,7 +76,9 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
     pool = HostPool(layouts, pin=pin)
     home = {s.index: (lay, s) for lay in layouts for s in lay.slots}
     states = [None] * len(layouts)
+    moved = 0
     for b in buckets:
+        moved += sum(b.state.nbytes().values())
         # the whole old bucket (bucket coordinates) on every rank that shares the layout
         full = exchange.gather_all(b, [b.state.master, *b.state.moments_fp32()])
         for old in b.layout.slots:
@@ -91,6 +96,8 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
             st.master[own].copy_(master)
             st.set_moments(own.start, m, v)  # own.start starts a block (8-bit moments)
         b.state = None  # every param of it has moved
+        if progress is not None:
+            progress.at(moved)
     return pool, [Bucket(lay, st) for lay, st in zip(layouts, states)]
 
 
@@ -122,16 +129,17 @@ class BucketOrder:
         for b in self.buckets:  # no copy may still use the old buffers
             self.copier.wait_landed(b.layout.index)
             self.copier.wait_uploaded(b.layout.index)
-        t0 = time.perf_counter()
         # Drop every view of the old pool first: its pinned blocks go back to torch's
         # cache, where the new pool's blocks of the same sizes come from.
         pin, self.host_pool = self.host_pool.pin, None
         self.exchange.attach([], self._check, None)
-        pool, buckets = relayout(
-            self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-            state_dtype=self.plugin.state_dtype, pin=pin, **self._cut)
+        progress = Progress(logger, "moving the host state into gradient arrival order",
+                            sum(sum(b.state.nbytes().values()) for b in self.buckets),
+                            detail=f"{len(self.buckets)} buckets, once, after the first step")
+        with host_threads(self.cpu_threads):
+            pool, buckets = relayout(
+                self.buckets, order, exchange=self.exchange, dtype=self.dtype,
+                state_dtype=self.plugin.state_dtype, pin=pin, progress=progress, **self._cut)
         self._install(order, pool, buckets)
         self._reset_window()
-        self.relayout_seconds = time.perf_counter() - t0
-        logger.info("ZeRO-Offload: %d buckets re-laid out in gradient arrival order (%.2f s)",
-                    len(buckets), self.relayout_seconds)
+        self.relayout_seconds = progress.done(f"{len(buckets)} buckets now")

@@ -7,8 +7,6 @@ reads nothing that the next step could change (the plan holds its own copy).
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from typing import NamedTuple
 
@@ -17,32 +15,7 @@ import torch
 from ..ops.cpu_adam import adam_update_unchecked
 from ..ops.moments import QBLOCK, ratio_cap
 from .state import Bucket
-
-logger = logging.getLogger(__name__)
-
-
-def cpu_threads(explicit: int = 0, *, environ=None, log: bool = False) -> int:
-    """The CPU-Adam's thread count: ``explicit`` when > 0, else the cores this process may
-    run on (its affinity mask) divided by the processes on this node (``LOCAL_WORLD_SIZE``,
-    set by torchrun and accelerate launch), at least 1. Not ``torch.get_num_threads()``:
-    ``accelerate launch`` exports OMP_NUM_THREADS=1 even for one GPU process (torchrun for
-    several), which would run the memory-bound update on one core."""
-    n = explicit or _available_threads(os.environ if environ is None else environ)
-    if log:
-        (logger.warning if n == 1 else logger.info)(
-            "ZeRO-Offload: the CPU-Adam runs on %d thread(s)%s", n, "" if n > 1 else
-            " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
-    return n
-
-
-def _available_threads(environ) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
-    try:
-        local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(1, cores // local)
+from .threads import host_threads
 
 
 class Run(NamedTuple):
@@ -101,7 +74,12 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
 def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float, float]:
     """Run the planned calls; after each bucket, ``publish(bucket, out)`` if given (async
     on CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam
-    and in ``publish``."""
+    and in ``publish``. Every host pass here runs on ``threads`` threads."""
+    with host_threads(threads):
+        return _run(work, copier=copier, threads=threads, publish=publish)
+
+
+def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, float]:
     t_adam = t_publish = 0.0
     for b, grad, runs, out, present in work:
         s = b.state

@@ -3,6 +3,9 @@ the CPU-Adam's thread count under launchers; the delayed update's CUDA device; b
 events. The CUDA-only halves carry the `gpu` marker (scripts/gpu_check.sh)."""
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -10,7 +13,8 @@ import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload import delayed as delayed_mod
-from hf_zoffload.offload.update import cpu_threads
+from hf_zoffload.offload import threads as threads_mod
+from hf_zoffload.offload.threads import cpu_threads
 from tests._tiny import batches, tiny_gpt2
 
 LR = 1e-3
@@ -103,6 +107,136 @@ def test_thread_count_follows_affinity_and_local_world(monkeypatch):
     assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}) == 4
     assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "32"}) == 1
     assert cpu_threads(3, environ={"LOCAL_WORLD_SIZE": "4"}) == 3  # explicit wins
+
+
+def test_bound_ranks_keep_their_own_cores_undivided(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "4"}, bound=True) == 4
+    assert cpu_threads(0, environ={"LOCAL_WORLD_SIZE": "4"}) == 1
+
+
+def _topology(siblings: dict[int, str], cgroup: str | None = None):
+    """A sysfs reader: each CPU's thread_siblings_list, the cgroup's cpuset."""
+    def read(path):
+        if path.endswith("thread_siblings_list"):  # .../cpu/cpu<N>/topology/...
+            return siblings.get(int(path.split("/")[-3][len("cpu"):]))
+        if "cgroup" in path:
+            return cgroup
+        return None
+    return read
+
+
+# 4 physical cores with 2 hyperthreads each, Linux numbering: CPU n and n + 4 are siblings
+HT = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_local_ranks_get_disjoint_whole_cores(monkeypatch, world):
+    monkeypatch.setattr(threads_mod, "_bound", None)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    got = []
+    for rank in range(world):
+        set_to = []
+        cpus = threads_mod.bind_local_rank(
+            {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)},
+            read=_topology(HT, cgroup="0-7"), setaffinity=lambda pid, c: set_to.append(c))
+        monkeypatch.setattr(threads_mod, "_bound", None)  # each rank is its own process
+        assert set_to == [cpus]
+        got.append(cpus)
+    assert set().union(*got) == set(range(8))  # every core used
+    for i, a in enumerate(got):
+        for b in got[i + 1:]:
+            assert not a & b  # disjoint
+        assert all((c + 4) % 8 in a for c in a)  # a core's hyperthreads stay together
+    assert sorted(len(a) for a in got) == {2: [4, 4], 3: [2, 2, 4], 4: [2, 2, 2, 2]}[world]
+
+
+def test_binding_leaves_a_narrowed_mask_and_one_process_alone(monkeypatch):
+    monkeypatch.setattr(threads_mod, "_bound", None)
+    calls = []
+    env = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 3})  # numactl / taskset did
+    assert threads_mod.bind_local_rank(env, read=_topology(HT, cgroup="0-7"),
+                                       setaffinity=lambda *a: calls.append(a)) is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert threads_mod.bind_local_rank({}, read=_topology(HT, cgroup="0-7"),
+                                       setaffinity=lambda *a: calls.append(a)) is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert threads_mod.bind_local_rank(env, read=_topology({0: "0"}, cgroup="0"),
+                                       setaffinity=lambda *a: calls.append(a)) is None
+    assert calls == []  # fewer cores than ranks: nothing bound either
+    assert threads_mod.parse_cpu_list("0-2,5,7-8\n") == {0, 1, 2, 5, 7, 8}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding two ranks needs two CPUs and sched_setaffinity (Linux)")
+def test_two_local_ranks_bind_disjoint_cores_in_real_processes():
+    """Two processes as torchrun starts them (LOCAL_RANK, LOCAL_WORLD_SIZE=2), each building
+    an engine: each ends on its own cores, and its host threads are its cores."""
+    code = ("import os, torch\n"
+            "from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin\n"
+            "p = torch.nn.Parameter(torch.randn(64))\n"
+            "opt = ZeroOffloadOptimizer([p], plugin=ZeroOffloadPlugin(compute_dtype='fp32'))\n"
+            "print(sorted(os.sched_getaffinity(0)), opt.cpu_threads, sorted(opt.bound_cpus))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                                   "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    masks = [eval(line.split("]")[0] + "]") for line in outs]
+    assert masks[0] and masks[1] and not set(masks[0]) & set(masks[1]), outs
+    for line, mask in zip(outs, masks):
+        assert line.strip() == f"{mask} {len(mask)} {mask}", line
+
+
+def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch):
+    """torch's pool at one thread (what OMP_NUM_THREADS=1 gives): the fold of an
+    accumulated micro-step, the step's host passes and the re-layout run on the engine's
+    cpu_threads; the caller's count is back to one after each."""
+    from hf_zoffload.offload import copier as copier_mod
+    from hf_zoffload.offload import engine as engine_mod
+    from hf_zoffload.offload import reorder as reorder_mod
+
+    seen = {"fold": [], "run": [], "relayout": []}
+    real_after = copier_mod.HostCopier.after_landed
+    monkeypatch.setattr(copier_mod.HostCopier, "after_landed", lambda self, key, fn: real_after(
+        self, key, lambda: (seen["fold"].append(torch.get_num_threads()), fn())))
+    real_run = engine_mod.run
+    monkeypatch.setattr(engine_mod, "run", lambda *a, **k: (
+        seen["run"].append(torch.get_num_threads()), real_run(*a, **k))[1])
+    real_relayout = reorder_mod.relayout
+    monkeypatch.setattr(reorder_mod, "relayout", lambda *a, **k: (
+        seen["relayout"].append(torch.get_num_threads()), real_relayout(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_gpt2()
+        opt = _engine(model, cpu_threads=3, bucket_size_mb=0.01)
+        for _ in range(2):
+            ids = batches(1)[0]
+            for _micro in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+                assert torch.get_num_threads() == 1
+            opt.step()
+            opt.zero_grad()
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen["fold"] and seen["run"] and seen["relayout"], seen
+    assert all(n == 3 for ns in seen.values() for n in ns), seen
+
+
+def test_host_work_thread_runs_on_its_threads(monkeypatch):
+    """CudaCopier's host-work thread, without a GPU: its jobs see the engine's count."""
+    from hf_zoffload.offload import copier
+
+    monkeypatch.setattr(copier.torch.cuda, "set_device", lambda d: None)
+    work = copier._HostWork(torch.device("cuda", 0), threads=3)
+    seen = []
+    work.submit(0, None, lambda: seen.append(torch.get_num_threads()))
+    work.wait(0)
+    assert seen == [3]
 
 
 def test_engine_exposes_and_logs_its_threads(monkeypatch, caplog):
