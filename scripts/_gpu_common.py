@@ -169,33 +169,81 @@ def loss_of(params, cs, step: int, micro: int) -> torch.Tensor:
 
 
 class _Term(torch.nn.Module):
-    def __init__(self, p: torch.nn.Parameter):
+    def __init__(self, p: torch.nn.Parameter, reads: list):
         super().__init__()
         self.p = p
+        self._reads = reads  # the model's: what each forward read, in order
 
     def forward(self, c: torch.Tensor) -> torch.Tensor:
+        # A copy of the param as this forward reads it, on the compute stream: a missing
+        # per-module wait shows here, since the gradient (c) does not depend on the param.
+        self._reads.append(self.p.detach().clone())
         return (self.p.float() * c).sum()
 
 
 class ParamModel(torch.nn.Module):
     """`loss_of` as a model, one module per param, for an engine built with ``model=``:
-    each term's module then waits only for its own param's bucket before it reads it."""
+    each term's module then waits only for its own param's bucket before it reads it.
+    ``reads`` collects each term's param as its forward read it (`snapshot` takes them)."""
 
     def __init__(self, params):
         super().__init__()
-        self.terms = torch.nn.ModuleList(_Term(p) for p in params)
+        self.reads: list[torch.Tensor] = []
+        self.terms = torch.nn.ModuleList(_Term(p, self.reads) for p in params)
 
     def forward(self, cs, step: int, micro: int) -> torch.Tensor:
         return torch.stack([t(c) for i, (t, c) in enumerate(zip(self.terms, cs))
                             if not skips(step, micro, i)]).sum()
 
 
-def snapshot(opt, params) -> dict:
-    # per-module waits: only a forward would wait for the uploads; the reads below must
-    opt.copier.finish_uploads()
-    snap = {"params": [p.detach().to("cpu", copy=True) for p in params],
-            "skipped": opt.last_step_skipped, "scale": opt.loss_scaler.loss_scale,
-            "norm": opt.grad_norm}
+class LateReads:
+    """Reads of the params after a step that do not make the compute stream wait for the
+    uploads: with per-module waits (``model=``) a read after ``finish_uploads()`` would
+    leave the next forward's ``wait_ready`` nothing to wait for, and the stress (and the
+    CUDA sanitizer) blind to a missing one. On CUDA the copies run on a stream of their own
+    behind the uploads queued so far, and later uploads wait for them; on the test suite's
+    `AsyncCopier` they are a job behind the uploads on its worker; on the CPU they are
+    immediate. `settle()` before the copies are read."""
+
+    def __init__(self, opt):
+        self.copier = opt.copier
+        self.stream = torch.cuda.Stream(opt.device) if isinstance(opt.copier, CudaCopier) \
+            else None
+
+    def read(self, tensors) -> list[torch.Tensor]:
+        tensors = [t.detach() for t in tensors]
+        c = self.copier
+        if self.stream is not None:
+            self.stream.wait_stream(c.stream)
+            with torch.cuda.stream(self.stream):
+                out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+                for o, t in zip(out, tensors):
+                    o.copy_(t, non_blocking=True)
+            c.stream.wait_stream(self.stream)  # the next uploads overwrite what is read here
+            return out
+        if hasattr(c, "queue_read"):  # tests/offload/_async_copier.py
+            out = [torch.empty_like(t) for t in tensors]
+            c.queue_read(lambda: [o.copy_(t) for o, t in zip(out, tensors)])
+            return out
+        return [t.to("cpu", copy=True) for t in tensors]
+
+    def settle(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        elif hasattr(self.copier, "synchronize"):
+            self.copier.synchronize()
+
+
+def snapshot(opt, params, reader: LateReads) -> dict:
+    model = _models.get(opt)
+    if model is None:  # no forward waits: the reads below make the device wait for all
+        opt.copier.finish_uploads()
+        snap = {"params": [p.detach().to("cpu", copy=True) for p in params]}
+    else:
+        snap = {"params": reader.read(params), "forward": list(model.reads)}
+        model.reads.clear()
+    snap.update(skipped=opt.last_step_skipped, scale=opt.loss_scaler.loss_scale,
+                norm=opt.grad_norm)
     if not opt.update_in_flight:  # a delayed update's thread may be writing the host state
         snap["host"] = [{k: v.clone() for k, v in opt.host_views(p).items()} for p in params]
     return snap
@@ -204,10 +252,12 @@ def snapshot(opt, params) -> dict:
 def train(opt, params, consts, *, device, no_sync=None, compute_sleep: int = 0,
           first_step: int = 0) -> list[dict]:
     """Run ``consts`` (c[step][micro][i]) through ``opt``; a snapshot after every step and one
-    after the final ``flush()``. ``no_sync(step, micro)``: that backward runs inside
-    ``opt.no_sync()``. ``compute_sleep``: cycles queued on the compute stream before each
-    backward (CUDA), so hooks' writes land late."""
+    after the final ``flush()`` (with ``model=``, also the params each forward read).
+    ``no_sync(step, micro)``: that backward runs inside ``opt.no_sync()``.
+    ``compute_sleep``: cycles queued on the compute stream before each backward (CUDA), so
+    hooks' writes land late."""
     consts = [[[c.to(device) for c in cs] for cs in per] for per in consts]
+    reader, model = LateReads(opt), _models.get(opt)
     trace = []
     for k, per in enumerate(consts):
         step = first_step + k
@@ -216,14 +266,20 @@ def train(opt, params, consts, *, device, no_sync=None, compute_sleep: int = 0,
             with opt.no_sync() if quiet else contextlib.nullcontext():
                 if compute_sleep:
                     torch.cuda._sleep(compute_sleep)
-                model = _models.get(opt)
                 opt.backward(loss_of(params, cs, step, micro) if model is None
                              else model(cs, step, micro))
         opt.step()
         opt.zero_grad()  # what loops do next; must not wait for a delayed update
-        trace.append(snapshot(opt, params))
+        trace.append(snapshot(opt, params, reader))
     opt.flush()
-    trace.append(snapshot(opt, params))
+    trace.append(snapshot(opt, params, reader))
+    reader.settle()
+    if device != "cpu":
+        torch.cuda.synchronize()  # the forwards' copies ran on the compute stream
+    for snap in trace:
+        snap["params"] = [t.cpu() for t in snap["params"]]
+        if "forward" in snap:
+            snap["forward"] = [t.cpu() for t in snap["forward"]]
     return trace
 
 
@@ -259,6 +315,13 @@ def compare(ref: list[dict], got: list[dict], *, limit: int = 20) -> list[str]:
             if not same_bits(a, b):
                 bad.append(f"{where}: param {i} {SHAPES[i] if i < len(SHAPES) else ''}: "
                            f"{_describe(a, b)}")
+        fx, fy = x.get("forward", []), y.get("forward", [])
+        if len(fx) != len(fy):
+            bad.append(f"{where}: {len(fx)} forward reads vs {len(fy)}")
+        for i, (a, b) in enumerate(zip(fx, fy)):
+            if not same_bits(a, b):
+                bad.append(f"{where}: forward read {i} (a param as a module's forward saw "
+                           f"it): {_describe(a, b)}")
         if ("host" in x) != ("host" in y):
             bad.append(f"{where}: a delayed update in flight on one side only")
         elif "host" in x:

@@ -65,27 +65,31 @@ def async_problems(opt) -> list[str]:
     return []
 
 
-def run_config(cfg: Config, *, sleep_cycles: int, delays: dict, device: str = "cuda") -> dict:
+def run_config(cfg: Config, *, sleep_cycles: int, delays: dict, device: str = "cuda",
+               around=contextlib.nullcontext) -> dict:
     """One configuration: the engine on ``device`` against the engine on the CPU (``device``
-    "cpu" only in the test suite, where it checks this script's own logic)."""
+    "cpu" only in the test suite, where it checks this script's own logic, and ``around()``
+    is entered while the engine under test is built and trained: the suite's AsyncCopier,
+    which emulates the side stream)."""
     consts = common.constants(cfg)
     ref_params = common.make_params("cpu")
     ref_opt = common.make_engine(ref_params, cfg)
     ref = common.train(ref_opt, ref_params, consts, device="cpu")
 
-    params = common.make_params(device)
-    opt = common.make_engine(params, cfg)
     cuda = device == "cuda"
-    bad = async_problems(opt) if cuda else []
-    before, t0 = delays["entered"], time.perf_counter()
-    got = common.train(opt, params, consts, device=device,
-                       compute_sleep=sleep_cycles if cuda else 0)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    bad += common.compare(ref, got)
-    bad += [f"state_dict: {m}" for m in common.same_state_dicts(ref_opt.state_dict(),
-                                                                 opt.state_dict())]
+    with around():
+        params = common.make_params(device)
+        opt = common.make_engine(params, cfg)
+        bad = async_problems(opt) if cuda else []
+        before, t0 = delays["entered"], time.perf_counter()
+        got = common.train(opt, params, consts, device=device,
+                           compute_sleep=sleep_cycles if cuda else 0)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        bad += common.compare(ref, got)
+        bad += [f"state_dict: {m}" for m in common.same_state_dicts(ref_opt.state_dict(),
+                                                                     opt.state_dict())]
     return {"cfg": cfg, "bad": bad, "skipped": sum(s["skipped"] for s in got[:-1]),
             "scale": got[-1]["scale"], "scales": [s["scale"] for s in got[:-1]],
             "delayed_copies": delays["entered"] - before,

@@ -86,6 +86,29 @@ def test_race_logic_on_the_cpu_is_bitwise_and_counts_what_it_should():
     assert len(gpu_race.configs(short=False)) == 12
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_race_stress_fails_without_the_per_module_waits(monkeypatch, delayed):
+    """The stress's model= configuration through the suite's AsyncCopier (the side stream
+    emulated on a thread, random delays, chunked copies): bitwise the CPU engine, each
+    forward's reads included; with every module's wait removed, a forward reads params
+    still on their way and the comparison says so. So the stress is not blind to it (it
+    once was: its snapshot made the device wait for every upload after each step)."""
+    from tests.offload._async_copier import AsyncCopier, installed
+
+    cfg = common.Config("bf16", delayed, 1, 4, module_waits=True)
+    counter = iter(range(100))
+
+    def run():
+        return gpu_race.run_config(cfg, sleep_cycles=0, delays={"entered": 0}, device="cpu",
+                                   around=lambda: installed(next(counter) + 11))
+
+    ok = run()
+    assert ok["bad"] == [], ok["bad"]
+    monkeypatch.setattr(AsyncCopier, "wait_ready", lambda self, keys: None)
+    bad = run()["bad"]
+    assert any("forward read" in m for m in bad), bad
+
+
 def test_race_comparison_sees_a_one_bit_difference():
     cfg = common.Config("bf16", True, 3, 4)
     traces = []

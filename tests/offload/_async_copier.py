@@ -71,7 +71,7 @@ class AsyncCopier:
         self._held = threading.Event()
         self._held.set()
         self.counts = dict.fromkeys(("jobs", "chunked", "to_host", "to_device", "to_params",
-                                     "to_flat", "after_landed"), 0)
+                                     "to_flat", "after_landed", "jobs_read"), 0)
         self._thread = threading.Thread(target=self._work, name="async-copier", daemon=True)
         self._thread.start()
         _live.add(self)
@@ -211,6 +211,12 @@ class AsyncCopier:
     def device_times(self) -> dict[str, float]:
         return {}  # emulated copies: no device time to report
 
+    def queue_read(self, fn) -> None:
+        """For tests: ``fn`` (a read of params, say) as a job on the side stream, after
+        everything queued so far and before anything queued later; the caller does not wait
+        (CUDA: a copy on another stream that waited for this one)."""
+        self._enqueue("jobs_read", fn)
+
     def mark_ready(self, key: int) -> None:
         with self._cv:
             self._ready[key] = self._queued
@@ -297,7 +303,7 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
 
     made: list[AsyncCopier] = []
 
-    def make_copier(device, *, pin):
+    def make_copier(device, *, pin, threads):
         made.append(AsyncCopier(seed + len(made), **options))
         made[-1].params_on_host = not cuda_path
         return made[-1]
