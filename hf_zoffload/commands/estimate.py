@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from ..config import parse_quantity, parse_size
+from ..config import STATE_DTYPES, parse_quantity, parse_size
 
 description = (
     "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
@@ -47,7 +47,7 @@ def add_parser(subparsers):
                    help="default: the effective ZeRO-Offload config")
     p.add_argument("--delayed_update", action="store_true", default=None,
                    help="count the delayed update's second gradient staging buffer")
-    p.add_argument("--state_dtype", default=None, choices=["fp32", "bf16", "int8"],
+    p.add_argument("--state_dtype", default=None, choices=STATE_DTYPES,
                    help="how the Adam moments are stored on the host (default: the effective "
                         "ZeRO-Offload config); the host verdict is printed for every mode")
     p.add_argument("--tp_size", type=int, default=1,
@@ -174,7 +174,7 @@ def compute(args) -> dict:
     report = report_for(plugin.state_dtype)
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
-    modes = {m: report_for(m)["host_total"] * args.num_gpus for m in ("fp32", "bf16", "int8")}
+    modes = {m: report_for(m)["host_total"] * args.num_gpus for m in STATE_DTYPES}
     return {
         "report": report, "num_gpus": args.num_gpus, "tp_size": tp, "tp_split": split,
         "host_total_all_ranks": host_all,

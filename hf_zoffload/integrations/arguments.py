@@ -34,7 +34,7 @@ from ..config import (
     sourced_values,
 )
 from ..ops.cpu_adam import check_hyper
-from ..ops.moments import ratio_cap
+from ..ops.moments import moment_format
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +215,12 @@ def _post_init(self) -> None:
         # the distributed state from inside the arguments).
         cuda = torch.cuda.is_available() and not self.use_cpu
         plugin.check_device("cuda" if cuda else "cpu")
-        if plugin.state_dtype == "int8":  # the engine would refuse it inside train()
-            try:
-                ratio_cap(self.adam_beta1, self.adam_beta2)
-            except ValueError as err:
-                raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 "
-                                 f"{self.adam_beta2} with --zero_offload_state_dtype int8: "
-                                 f"{err}") from None
+        try:  # the engine would refuse them inside train()
+            moment_format(plugin.state_dtype).check_betas(self.adam_beta1, self.adam_beta2)
+        except ValueError as err:
+            raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 "
+                             f"{self.adam_beta2} with --zero_offload_state_dtype "
+                             f"{plugin.state_dtype}: {err}") from None
 
 
 def _get_process_log_level(self) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from ..config import ZeroOffloadPlugin
 from ..ops.cpu_adam import check_hyper
-from ..ops.moments import QBLOCK
+from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from .checkpoint import Checkpoints
@@ -110,8 +110,8 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                                        log=True)
         if param_order is None and model is not None:
             param_order = model.parameters()
-        slots = collect_slots(self.param_groups, order=param_order,
-                              state_dtype=plugin.state_dtype)
+        self.moments = moment_format(plugin.state_dtype)
+        slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments)
         self.device = slots[0].param.device
         plugin.check_device(self.device.type)
         self.dtype = plugin.torch_dtype
@@ -124,7 +124,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         # Buckets fill in reverse param order until the first backward shows the real
         # order (reorder.py); how they are cut is kept for the re-layout.
         self._cut = dict(bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
-                         align=QBLOCK if plugin.state_dtype == "int8" else 1)
+                         align=self.moments.align)
         layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
                                 world=self.exchange.world, **self._cut)
         needed = check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin,
@@ -187,7 +187,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         with host_threads(self.cpu_threads):
             for lay in layouts:
                 buckets.append(Bucket(lay, place(
-                    lay, self.dtype, self.device, pool=pool, state_dtype=self.plugin.state_dtype,
+                    lay, self.dtype, self.device, pool=pool, state_dtype=self.moments,
                     flat=self.exchange.initial_values(lay))))
                 own += sum(buckets[-1].state.nbytes().values())
                 progress.at(own + sum(pool.held().values()))  # the pool: on first use

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..ops.cpu_adam import check_hyper
-from ..ops.moments import check_state_dtype, ratio_cap
+from ..ops.moments import MomentFormat, moment_format
 from .support import check_params, is_sharded, local
 
 
@@ -111,7 +111,8 @@ class BucketLayout:
             yield self.slots[start:]
 
 
-def collect_slots(param_groups, *, order=None, state_dtype: str = "fp32") -> list[Slot]:
+def collect_slots(param_groups, *, order=None,
+                  state_dtype: str | MomentFormat = "fp32") -> list[Slot]:
     """A slot per trainable param (offsets come with the buckets); raises, before anything
     changes, on a group or param the engine cannot train (``state_dtype``: how the moments
     will be stored; int8 needs betas with a bound, `moments.ratio_cap`).
@@ -122,15 +123,14 @@ def collect_slots(param_groups, *, order=None, state_dtype: str = "fp32") -> lis
     no-decay groups the optimizer's order puts every layer's norms and biases together, in a
     bucket that completes only when backward reaches the first layer, and with N ranks a
     late bucket holds back every reduce-scatter after it (they launch in bucket order)."""
-    check_state_dtype(state_dtype)
+    fmt = moment_format(state_dtype)
     slots, devices, index = [], set(), 0
     for gi, g in enumerate(param_groups):
         for flag in ("amsgrad", "maximize"):
             if g.get(flag):
                 raise ValueError(f"param group {gi}: {flag}=True is not supported")
         check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"param group {gi}")
-        if state_dtype == "int8":
-            ratio_cap(*g["betas"])
+        fmt.check_betas(*g["betas"])
         check_params(g["params"])
         for p in g["params"]:
             if p.requires_grad:

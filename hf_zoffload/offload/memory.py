@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..ops.moments import STATE_DTYPES, check_state_dtype, n_blocks, state_bytes
+from ..ops.moments import FORMATS, moment_format
 from .host import plan_blocks
 
 _MIB = 1024**2
@@ -51,7 +51,7 @@ def estimate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if compute_dtype not in _DTYPE_BYTES:
         raise ValueError(f"compute_dtype {compute_dtype!r}; allowed: fp16, bf16, fp32")
-    check_state_dtype(state_dtype)
+    fmt = moment_format(state_dtype)
     w = _DTYPE_BYTES[compute_dtype]
     shard = -(-n_params // world_size)  # ceil: the largest shard
     bucket = int(bucket_size_mb * _MIB) // 2 * w  # bucket_size_mb counts 16-bit grads
@@ -69,7 +69,7 @@ def estimate(
 
     # int8: codes and block scales; the engine also starts every param on a 256-element
     # block, which adds up to 255 elements per param (not known here; < 0.1% for 7B shapes)
-    moment = int(state_bytes(state_dtype) / 2 * shard)
+    moment = int(fmt.bytes_per_element() / 2 * shard)
     host = {
         "master": 4 * shard,
         "exp_avg": moment,
@@ -159,9 +159,8 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
     counted (``estimate(grad_accumulation=True)`` shows them)."""
     shards = [lay.shard for lay in layouts]
     n = sum(shards)
-    moments = n * STATE_DTYPES[state_dtype].itemsize * 2
-    if state_dtype == "int8":
-        moments += 2 * 4 * sum(n_blocks(s) for s in shards)  # the block scales
+    fmt = moment_format(state_dtype)
+    moments = n * fmt.dtype.itemsize * 2 + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
     return {"master": 4 * n, "moments": moments,
@@ -224,7 +223,7 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     total = sum(needed.values())
     if have is None or total <= have:
         return needed
-    fits = [f"state_dtype={m} ({human(sum(need(m).values()))})" for m in STATE_DTYPES
+    fits = [f"state_dtype={m} ({human(sum(need(m).values()))})" for m in FORMATS
             if m != plugin.state_dtype and sum(need(m).values()) <= have]
     ranks = -(-total * world // have)  # shards shrink with the world; grads' blocks roughly
     raise MemoryError(

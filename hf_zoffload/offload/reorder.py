@@ -62,7 +62,7 @@ class ArrivalOrder:
 
 
 def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel: int,
-             align: int, dtype: torch.dtype, state_dtype: str, pin: bool,
+             align: int, dtype: torch.dtype, state_dtype, pin: bool,
              progress: Progress | None = None):
     """New buckets filled in ``order`` (param indices), with the host state of ``buckets``
     moved into them; returns (pool, buckets). ``buckets`` are unusable after.
@@ -139,7 +139,7 @@ class BucketOrder:
         with host_threads(self.cpu_threads):
             pool, buckets = relayout(
                 self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-                state_dtype=self.plugin.state_dtype, pin=pin, progress=progress, **self._cut)
+                state_dtype=self.moments, pin=pin, progress=progress, **self._cut)
         self._install(order, pool, buckets)
         self._reset_window()
         self.relayout_seconds = progress.done(f"{len(buckets)} buckets now")

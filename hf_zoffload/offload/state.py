@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.moments import QBLOCK, STATE_DTYPES, decode_moments, encode_moments, n_blocks
+from ..ops.moments import QBLOCK, MomentFormat, moment_format
 from .host import HostPool
 from .layout import BucketLayout
 from .support import set_local
@@ -37,34 +37,27 @@ class GradBuffers:
 
 @dataclass(eq=False)
 class HostState:
-    master: torch.Tensor
-    exp_avg: torch.Tensor  # fp32, bf16 or uint8 codes (state_dtype)
+    master: torch.Tensor  # fp32, (shard,)
+    exp_avg: torch.Tensor  # (shard,) in ``fmt.dtype``: fp32, bf16 or uint8 codes
     exp_avg_sq: torch.Tensor
     grads: GradBuffers
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' block scales
+    fmt: MomentFormat  # how the moments are stored (state_dtype)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 block scales, if fmt.scaled
     spare: GradBuffers | None = None  # the delayed update's second set, made on first use
 
     def moments_fp32(self, lo: int = 0, hi: int | None = None):
         """(exp_avg, exp_avg_sq) of shard elements [lo, hi) as fp32 tensors (views for
         fp32 state, decoded copies otherwise); ``lo`` starts a block for 8-bit state."""
         hi = self.master.numel() if hi is None else hi
-        m, v = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
-        if self.scales is None:
-            return m.float(), v.float()  # no copy for fp32
-        b = lo // QBLOCK
-        return decode_moments(m, v, self.scales[0][b:], self.scales[1][b:])
+        return self.fmt.decode(self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.scales,
+                               lo // QBLOCK)
 
     def set_moments(self, lo: int, m32: torch.Tensor, v32: torch.Tensor) -> None:
         """Shard elements [lo, lo + len) <- fp32 moments, encoded (rounded to bf16, or to
         8-bit codes whose blocks start at ``lo``, a block start)."""
         hi = lo + m32.numel()
-        if self.scales is None:
-            self.exp_avg[lo:hi].copy_(m32)
-            self.exp_avg_sq[lo:hi].copy_(v32)
-            return
-        b = lo // QBLOCK
-        encode_moments(m32, v32, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
-                       self.scales[0][b:], self.scales[1][b:])
+        self.fmt.encode(m32, v32, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.scales,
+                        lo // QBLOCK)
 
     def swap_grads(self, pool: HostPool, index: int) -> None:
         """The delayed update's background step keeps reading the current buffers; the
@@ -90,17 +83,18 @@ class HostState:
 
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
-                state_dtype: str = "fp32", zero: bool = True) -> HostState:
+                state_dtype: str | MomentFormat = "fp32", zero: bool = True) -> HostState:
     """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
     every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
     ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`)."""
-    kind, make = STATE_DTYPES[state_dtype], torch.zeros if zero else torch.empty
+    fmt, make = moment_format(state_dtype), torch.zeros if zero else torch.empty
     state = HostState(master=make(layout.shard, dtype=torch.float32),
-                      exp_avg=make(layout.shard, dtype=kind),
-                      exp_avg_sq=make(layout.shard, dtype=kind),
-                      grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)))
-    if kind == torch.uint8:
-        state.scales = (make(n_blocks(layout.shard)), make(n_blocks(layout.shard)))
+                      exp_avg=make(layout.shard, dtype=fmt.dtype),
+                      exp_avg_sq=make(layout.shard, dtype=fmt.dtype),
+                      grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)),
+                      fmt=fmt)
+    if fmt.scaled:
+        state.scales = (make(fmt.n_scales(layout.shard)), make(fmt.n_scales(layout.shard)))
     return state
 
 
@@ -120,7 +114,8 @@ def zero_gaps(layout: BucketLayout, state: HostState) -> None:
 
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          state_dtype: str = "fp32", flat: torch.Tensor | None = None) -> HostState:
+          state_dtype: str | MomentFormat = "fp32",
+          flat: torch.Tensor | None = None) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.cpu_adam import adam_update_unchecked
-from ..ops.moments import QBLOCK, ratio_cap
+from ..ops.moments import QBLOCK
 from .state import Bucket
 from .threads import host_threads
 
@@ -45,9 +45,9 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
     outside this rank's shard are dropped, but every rank counts every param's steps
     (``param_steps`` is advanced here). ``in_place``: the CPU-Adam writes the new 16-bit
     values into the params' own storage (params on the CPU, no delayed update)."""
-    if any(b.state.scales is not None for b in buckets):  # 8-bit moments
+    for fmt in {b.state.fmt for b in buckets}:
         for g in param_groups:  # betas changed since the engine was built: refused here
-            ratio_cap(*g["betas"])
+            fmt.check_betas(*g["betas"])
     work = []
     # Forward order: the last bucket holds the first layers' params (buckets fill in
     # backward order), so their uploads finish first and the next forward can start.

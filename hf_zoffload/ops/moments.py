@@ -22,7 +22,6 @@ import torch
 
 from ._native import ext
 
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 # Elements per block of the 8-bit code: one fp32 scale per 256 elements is 1/64 B per param
 # and moment; 256 also keeps a block's three fp32 tiles (3 KiB) in L1 (docs/design.md).
 QBLOCK = 256
@@ -32,18 +31,6 @@ _M_TOP = ((1 << (7 - _M_BITS)) - 1) << _M_BITS  # 120
 _U_TOP = ((1 << (8 - _U_BITS)) - 1) << _U_BITS  # 240
 _M_BIAS = (127 - (_M_TOP >> _M_BITS)) << _M_BITS
 _U_BIAS = (127 - (_U_TOP >> _U_BITS)) << _U_BITS
-
-
-def state_bytes(state_dtype: str) -> float:
-    """Host bytes per element of both moments together, block scales included."""
-    return {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / QBLOCK}[state_dtype]
-
-
-def check_state_dtype(state_dtype) -> torch.dtype:
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, "
-                         f"got {state_dtype!r}")
-    return STATE_DTYPES[state_dtype]
 
 
 def ratio_cap(beta1: float, beta2: float) -> float:
@@ -93,6 +80,86 @@ def _check_codes(n, m_codes, v_codes, m_scales, v_scales) -> None:
                 not t.is_contiguous() or t.numel() < numel:
             raise ValueError(f"{name} must be a contiguous 1-D {dtype} CPU tensor of at least "
                              f"{numel} elements, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+class MomentFormat:
+    """How the host stores both Adam moments: one object per ``state_dtype``, read by the
+    layout (alignment, the betas it allows), the host state (buffers, encode / decode), the
+    update and the memory arithmetic, instead of each comparing the name."""
+
+    name: str
+    dtype: torch.dtype  # of the exp_avg / exp_avg_sq buffers
+    align = 1  # elements: every param of a bucket starts on a multiple of this
+    scaled = False  # block scales beside the codes (n_scales(n) fp32 per moment)
+
+    def bytes_per_element(self) -> float:
+        """Host bytes per element of both moments together, block scales included."""
+        return 2 * self.dtype.itemsize
+
+    def n_scales(self, n: int) -> int:
+        return 0
+
+    def check_betas(self, beta1: float, beta2: float) -> None:
+        """Raise for betas this format cannot train with; every format takes Adam's own."""
+
+    def decode(self, m, v, scales, first_block: int):
+        """(exp_avg, exp_avg_sq) of stored elements ``m``, ``v`` as fp32 tensors (views
+        where they are fp32 already). ``first_block``: the block of ``m``'s first element,
+        which starts one."""
+        return m.float(), v.float()
+
+    def encode(self, m32, v32, m, v, scales, first_block: int) -> None:
+        """Store fp32 moments into ``m``, ``v`` (rounded as the format rounds; the first
+        element starts block ``first_block``)."""
+        m.copy_(m32)
+        v.copy_(v32)
+
+    def __repr__(self) -> str:
+        return f"MomentFormat({self.name!r})"
+
+
+class _Fp32(MomentFormat):
+    name, dtype = "fp32", torch.float32
+
+
+class _Bf16(MomentFormat):
+    name, dtype = "bf16", torch.bfloat16  # copy_ rounds to nearest even, as the kernel
+
+
+class _Int8(MomentFormat):
+    """Block-wise 8-bit codes, the module docstring's code; every param starts a block, so
+    no block holds two params and thread chunks split on blocks (bitwise any thread count)."""
+
+    name, dtype = "int8", torch.uint8
+    align, scaled = QBLOCK, True
+
+    def bytes_per_element(self) -> float:
+        return 2.0 + 8.0 / QBLOCK
+
+    def n_scales(self, n: int) -> int:
+        return n_blocks(n)
+
+    def check_betas(self, beta1: float, beta2: float) -> None:
+        ratio_cap(beta1, beta2)
+
+    def decode(self, m, v, scales, first_block: int):
+        return decode_moments(m, v, scales[0][first_block:], scales[1][first_block:])
+
+    def encode(self, m32, v32, m, v, scales, first_block: int) -> None:
+        encode_moments(m32, v32, m, v, scales[0][first_block:], scales[1][first_block:])
+
+
+FORMATS: dict[str, MomentFormat] = {f.name: f for f in (_Fp32(), _Bf16(), _Int8())}
+
+
+def moment_format(state_dtype) -> MomentFormat:
+    """The format named ``state_dtype``; one clear error for any other value."""
+    if isinstance(state_dtype, MomentFormat):
+        return state_dtype
+    if state_dtype not in FORMATS:
+        raise ValueError(f"state_dtype must be one of {', '.join(FORMATS)}, "
+                         f"got {state_dtype!r}")
+    return FORMATS[state_dtype]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

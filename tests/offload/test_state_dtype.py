@@ -49,7 +49,7 @@ def test_engine_is_the_kernel_applied_param_by_param(state):
     model, ref = _Net(), _Net()
     opt = _engine(model, state)
     assert len(opt.buckets) > 1
-    kind = mo.STATE_DTYPES[state]
+    kind = mo.FORMATS[state].dtype
     st = {}
     for n, p in ref.named_parameters():
         k = p.numel()
@@ -153,3 +153,26 @@ def test_host_bytes_per_param(state, moment_bytes):
     per_param = (host["exp_avg"] + host["exp_avg_sq"]) / n
     # int8: each param starts on a 256-element block (padding) plus a scale per block
     assert moment_bytes <= per_param <= moment_bytes * (1.3 if state == "int8" else 1.0)
+
+
+def test_each_state_dtype_is_one_format_object():
+    from hf_zoffload.config import STATE_DTYPES
+
+    assert tuple(mo.FORMATS) == STATE_DTYPES  # the setting's choices are the formats
+    fp32, bf16, int8 = (mo.moment_format(n) for n in STATE_DTYPES)
+    assert [f.dtype for f in (fp32, bf16, int8)] == [torch.float32, torch.bfloat16,
+                                                     torch.uint8]
+    assert [f.bytes_per_element() for f in (fp32, bf16, int8)] == [8.0, 4.0, 2.0 + 8 / 256]
+    assert (fp32.align, int8.align, int8.n_scales(257), bf16.n_scales(257)) == (1, 256, 2, 0)
+    for f in (fp32, bf16):
+        f.check_betas(0.99, 0.9)  # exact Adam needs no bound
+    with pytest.raises(ValueError, match="beta1\\*\\*2 < beta2"):
+        int8.check_betas(0.99, 0.9)
+    with pytest.raises(ValueError, match="state_dtype must be one of fp32, bf16, int8"):
+        mo.moment_format("fp8")
+    m, v, scales = torch.zeros(300, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8), \
+        (torch.zeros(2), torch.zeros(2))
+    m32, v32 = torch.linspace(-1, 1, 300), torch.linspace(0, 2, 300)
+    int8.encode(m32, v32, m, v, scales, 0)
+    assert torch.equal(torch.stack(int8.decode(m, v, scales, 0)),
+                       torch.stack(mo.decode_reference(*mo.encode_reference(m32, v32))))
