@@ -34,7 +34,8 @@ def state_dict(opt, *, to: int = 0) -> dict:
     other ranks get the same dict with no state, marked so that loading it fails).
 
     Reads the engine's public facts: ``buckets`` (layout and host state), ``param_steps``,
-    ``exchange`` (world, gather, whole, receives), ``loss_scaler``, ``skipped_steps``,
+    ``exchange`` (world, gather, whole_tensors, keeps_gathered), ``loss_scaler``,
+    ``skipped_steps``,
     ``applied_steps``."""
     ex = opt.exchange
     parts = []
@@ -49,15 +50,15 @@ def state_dict(opt, *, to: int = 0) -> dict:
             sl = slice(s.offset, s.offset + s.numel)
             parts.append((s, [t[sl] for t in got]))  # master, exp_avg, exp_avg_sq
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
-    state, shell = {}, not ex.receives(to)
-    for (s, _), (master, exp_avg, exp_avg_sq) in zip(parts, ex.whole(parts)):
+    state, empty_here = {}, not ex.keeps_gathered(to)
+    for (s, _), (master, exp_avg, exp_avg_sq) in zip(parts, ex.whole_tensors(parts)):
         # clone: a view would pickle the whole flat bucket storage with each param
         state[s.index] = {
             "step": torch.tensor(float(opt.param_steps[s.index])),
             "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(),
             "master": master.clone(),
         }
-    if shell:
+    if empty_here:
         state = {}
     groups, index = [], 0
     for g in opt.param_groups:
@@ -75,7 +76,8 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "applied_steps": opt.applied_steps,
             "world_size": ex.world,
             "bucket_order": opt.bucket_order,
-            **({"shell_of_rank": getattr(ex, "coll", ex).rank} if shell else {}),
+            # the key is part of the saved format: a rank's dict without the state
+            **({"shell_of_rank": getattr(ex, "coll", ex).rank} if empty_here else {}),
         },
     }
 
@@ -92,14 +94,14 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
         if got is not None:
             parts += [(s, [got[0][s.offset:s.offset + s.numel]]) for s in b.layout.slots]
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
-    masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.whole(parts))}
+    masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.whole_tensors(parts))}
     trained = {id(s.param) for b in opt.buckets for s in b.layout.slots}
     others = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
               if id(t) not in trained}
     for name, t in others.items():  # frozen DTensors: every rank of the mesh gathers
         if is_dtensor(t):
             others[name] = t.full_tensor()
-    if not ex.receives(to):
+    if not ex.keeps_gathered(to):
         return None
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():

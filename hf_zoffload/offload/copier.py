@@ -1,7 +1,8 @@
 """Copies between the device and the host, and the waits that order them. No collective here.
 
-`CudaCopier` overlaps copies with compute on one side stream, ordered by events; `HostCopier`
-is the same interface for params that live on the CPU (no streams, no pinning), which is how
+`Copier` is the interface, a docstring per method. `CudaCopier` overlaps copies with compute
+on one side stream, ordered by events; `HostCopier` is the same interface for params that live
+on the CPU (no streams, no pinning), which is how
 the engine runs on a machine without a GPU and in the test suite. Every copy is keyed by its
 bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
 `wait_uploaded(key)` before the host overwrites what `to_params` / `to_flat` read. Once a
@@ -13,6 +14,7 @@ them (`finish_uploads`). The stream rules are stated where each copy is queued
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import queue
 import threading
@@ -24,21 +26,115 @@ from .layout import BucketLayout
 from .threads import host_threads
 
 
-class HostCopier:
-    """Params on the CPU: a "device" buffer is host memory already, so a device twin of a
-    host buffer is that buffer, and nothing is ever in flight. Host work (`after_landed`)
-    runs at once, on ``threads`` threads."""
+class Copier(abc.ABC):
+    """Copies between the device and the host and the waits that order them, for the engine
+    and its exchanges. Every copy is keyed by its bucket's index (``key``). What each method
+    promises is what `CudaCopier` must do on its streams; `HostCopier` keeps the same
+    promises trivially (nothing is ever in flight). docs/design.md, "Stream rules"."""
 
-    pinned = False
-    params_on_host = True  # the CPU-Adam may write the new params into their storage
+    pinned = False  # host buffers that copies touch are page-locked
+
+    # -------------------------------------------------- what the engine decides from
+    def updates_in_place(self, delayed: bool) -> bool:
+        """Whether the CPU-Adam may write the new 16-bit values straight into the params'
+        own storage (params in host memory, no delayed update reading them meanwhile):
+        then nothing is uploaded."""
+        return False
+
+    def forwards_wait(self) -> bool:
+        """Whether uploads may still be in flight when a forward starts, so that each
+        module must wait for its own buckets (`wait_ready`) before it reads its params."""
+        return True
+
+    # ------------------------------------------------------------- buffers
+    @abc.abstractmethod
+    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
+        """A device buffer whose contents will be copied to the host buffer ``host()`` (a
+        callable: the host buffer may be made on first use), zeroed if ``zero``."""
+
+    @abc.abstractmethod
+    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A transient device buffer that only side-stream work uses (an all-gather's flat
+        bucket); safe to drop once that work is queued."""
+
+    @abc.abstractmethod
+    def side(self):
+        """A context: work queued inside runs after everything the compute stream queued
+        before it, and on the copier's own stream (collectives' waits, check kernels)."""
+
+    # ------------------------------------------------------- device to host
+    @abc.abstractmethod
+    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
+        """Device ``src`` -> host ``dst``; ``src`` and ``keep`` may be dropped by the
+        caller at once. The host reads ``dst`` only after `wait_landed(key)`."""
+
+    @abc.abstractmethod
+    def wait_landed(self, key: int) -> None:
+        """Block until key's copies to the host and its `after_landed` work are done."""
+
+    @abc.abstractmethod
+    def after_landed(self, key: int, fn) -> None:
+        """Run host work ``fn`` once key's last copy to the host has landed (the fold of a
+        micro-step into the fp32 sum); the next `to_host(key)` and `wait_landed(key)` wait
+        for it first."""
+
+    # ------------------------------------------------------- host to device
+    @abc.abstractmethod
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` that the compute stream may add to at once."""
+
+    @abc.abstractmethod
+    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
+        """Host ``src`` (a bucket's new values) -> each param's own storage, after the
+        compute stream is done reading the old values. The host overwrites ``src`` only
+        after `wait_uploaded(key)`."""
+
+    @abc.abstractmethod
+    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host ``src`` -> device ``dst`` (a `side_buffer`); `wait_uploaded(key)` as above."""
+
+    @abc.abstractmethod
+    def wait_uploaded(self, key: int) -> None:
+        """Block until key's uploads have read their source."""
+
+    @abc.abstractmethod
+    def mark_ready(self, key: int) -> None:
+        """Bucket ``key``'s params are all queued: forwards may wait for them."""
+
+    @abc.abstractmethod
+    def wait_ready(self, keys) -> None:
+        """The compute stream waits for these buckets' params (before a module's forward);
+        others may still be uploading."""
+
+    @abc.abstractmethod
+    def finish_uploads(self) -> float:
+        """The compute stream waits for every upload queued so far; returns the host
+        seconds that took (about 0: the wait is queued on the device)."""
+
+    def device_times(self) -> dict[str, float]:
+        """Seconds the device spent copying, by direction, since the last call ({} where
+        copies are host work, timed by the engine)."""
+        return {}
+
+
+class HostCopier(Copier):
+    """Params on the CPU: a "device" buffer is host memory already, so the device buffer of
+    a host buffer is that buffer, and nothing is ever in flight. Host work (`after_landed`)
+    runs at once, on ``threads`` threads."""
 
     def __init__(self, *, threads: int = 1):
         self.threads = threads
 
-    def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
-        """The device buffer whose contents go to the host buffer ``host()`` (a callable: a
-        host buffer made on first use): here that buffer itself, so hooks write straight
-        into it and there is nothing to copy later."""
+    def updates_in_place(self, delayed: bool) -> bool:
+        return not delayed  # a delayed update would write params the next forward reads
+
+    def forwards_wait(self) -> bool:
+        return False
+
+    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
+        """``host()`` itself: hooks write straight into it, nothing is copied later."""
         buf = host()
         return buf.zero_() if zero else buf
 
@@ -79,9 +175,6 @@ class HostCopier:
 
     def finish_uploads(self) -> float:
         return 0.0
-
-    def device_times(self) -> dict[str, float]:
-        return {}  # no device: the copies are host work, timed by the engine
 
 
 class _HostWork:
@@ -139,10 +232,8 @@ def _event(*, timing: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
-class CudaCopier:
+class CudaCopier(Copier):
     """Params on a CUDA device; every copy runs on one side stream."""
-
-    params_on_host = False
 
     def __init__(self, device: torch.device, *, pin: bool, threads: int = 1):
         self.device = device
@@ -154,7 +245,8 @@ class CudaCopier:
         self._ready: dict[int, torch.cuda.Event] = {}  # params written, not yet waited for
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
+    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
         """A fresh device buffer from the caching allocator (``host`` is not called: the
         host buffer may never be needed): only buckets still collecting or in flight hold
         device memory, never a full gradient copy."""

@@ -164,7 +164,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
         # Uploaded params: each module's forward waits for its own buckets only (they go up
         # in forward order), so the first layers compute while the last ones still upload.
-        self._module_waits = model is not None and not self.copier.params_on_host
+        self._module_waits = model is not None and self.copier.forwards_wait()
         if self._module_waits:
             register_param_waits(self, "_wait_params", model, [s.param for s in slots])
 
@@ -232,11 +232,9 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                                    "clip only once the gradients of this step are complete")
             self.exchange.open(b)
         dst = w.pending[lo:hi]
-        (dst.add_ if w.prefilled else dst.copy_)(local_grad(p, p.grad).reshape(-1))
+        (dst.add_ if w.adds_to_sum else dst.copy_)(local_grad(p, p.grad).reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
-        w.present[i] = True
-        w.arrived += 1
-        if w.arrived == n_slots:
+        if w.arrive(i):
             self.exchange.flush(b)
 
     def _check(self, buf, b: Bucket) -> None:
@@ -341,7 +339,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
             if self._clip is not None or max_norm > 0 else 1.0
         work = plan(self.buckets, self.param_groups, self.param_steps,
                     self._inv_scale() * coef,
-                    in_place=self.copier.params_on_host and not delayed)
+                    in_place=self.copier.updates_in_place(delayed))
         self.applied_steps += 1
         if delayed:
             self._start_delayed(work)

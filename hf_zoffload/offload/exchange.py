@@ -1,44 +1,20 @@
 """How a complete bucket's gradients reach this rank's host shard, and how new params get back.
 
-The engine holds one exchange and never asks which. `LocalExchange` is one process: a
-bucket's grads are checked and copied to the host whole, and its new params uploaded.
-`partitioned.PartitionedExchange` is data parallelism (ZeRO-2 partitioning: reduce-scatter,
-all-gather). `tensor_parallel.TensorParallelExchange` wraps either for DTensor params (each
-rank's buckets hold its local shards). The interface, in the order a step calls it:
-
-- ``rank``, ``world``: which shard of every bucket this rank holds (layout.py);
-  ``spans_ranks``: whether the state is spread over ranks (checkpoints are collectives);
-  ``initial_values(layout)``: the values every rank starts from (None: the params' own);
-  ``attach(buckets, check, pool)`` once the buckets exist (``check(buf, bucket)`` runs the
-  inf/nan and squared-norm kernel on a buffer of ``bucket`` about to leave for the host;
-  ``pool`` is the engine's `host.HostPool`, where host buffers that copies touch come from).
-- ``begin_backward()`` at the first gradient of a backward; ``open(b)`` gives the bucket a
-  device buffer (``b.window.pending``) its hooks write into; ``flush(b)`` sends a complete
-  one on its way; ``end_backward(ended)`` after every bucket of a backward is flushed.
-- ``end_window()`` before a step reads the window's grads; ``complete()`` finishes whatever
-  is in flight (``zero_grad``); ``reset()`` starts a new window; ``share_stats(flag,
-  sumsq, sharded)`` makes the overflow flag, the squared norm (``sumsq`` of whole params'
-  buckets, ``sharded`` of tensor-parallel shards' buckets) and which params got a gradient
-  the same on every rank.
-- ``publish(b, src)`` uploads a bucket's new params after its CPU-Adam from host buffer
-  ``src`` (`Bucket.out`; None: written into the params in place already), and marks the
-  bucket ready (``copier.mark_ready``) once its params are all queued; ``finish_publish()``
-  after the last one.
-- ``gather(b, shards, to)``: each fp32 host shard of ``shards`` (this rank's part of the
-  bucket: master, decoded moments) as the whole bucket on rank ``to`` (None elsewhere), for
-  checkpoints and the full-precision weights; ``whole(parts)`` then makes each (slot, [flat
-  local tensors]) of ``parts`` whole params (a collective with tensor parallelism),
-  ``receives(to)`` says whether this rank gets the result, ``local_part(slot, t)`` is the inverse of
-  ``whole``: this rank's part of a whole tensor, flat (no collective).
-- ``agree(order)``: the first rank's list of ints on every rank that shares this rank's
-  buckets; ``gather_all(b, shards)``: like ``gather``, the whole bucket on each of those
-  ranks (reorder.py moves the host state between buckets with them).
+`Exchange` is the interface, a docstring per method, with what a one-process mode does as the
+defaults; the engine holds one exchange and never asks which. `LocalExchange` is one
+process: a bucket's grads are checked and copied to the host whole, and its new params
+uploaded. `partitioned.PartitionedExchange` is data parallelism (ZeRO-2 partitioning:
+reduce-scatter, all-gather). `tensor_parallel.TensorParallelExchange` wraps either
+(`ForwardingExchange`) for DTensor params, each rank's buckets holding its local shards.
 """
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
+from .copier import Copier
 from .state import Bucket
 
 
@@ -48,79 +24,193 @@ def whole_params(parts: list) -> list:
     return [[t.view(s.param.shape) for t in ts] for s, ts in parts]
 
 
-def local_flat(s, t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of whole tensor ``t`` of slot ``s``'s param, flat: all of it."""
-    return t.reshape(-1)
+class Exchange(abc.ABC):
+    """The engine's view of a parallel layout, in the order a step calls it. Defaults are
+    what one process does: nothing to share, everything already whole on this rank."""
+
+    rank = 0  # which shard of every bucket this rank holds (layout.py)
+    world = 1  # how many shards every bucket is cut into
+    spans_ranks = False  # the state is spread over ranks: checkpoints are collectives
+
+    copier: Copier  # the engine's, for every copy here
+
+    def attach(self, buckets: list[Bucket], check, pool) -> None:
+        """The engine's buckets (again after each re-layout; ``[]`` while it moves them).
+        ``check(buf, bucket)`` runs the inf/nan and squared-norm kernel on a buffer of
+        ``bucket`` about to leave for the host; ``pool`` is the engine's `host.HostPool`,
+        where host buffers that copies touch come from."""
+        self.buckets, self.check, self.pool = buckets, check, pool
+
+    def initial_values(self, layout) -> torch.Tensor | None:
+        """The values every rank starts ``layout``'s params from, flat fp32 (None: the
+        params' own)."""
+        return None
+
+    # ------------------------------------------------------------ backward
+    def begin_backward(self) -> None:
+        """At the first gradient of a backward."""
+
+    @abc.abstractmethod
+    def open(self, b: Bucket) -> None:
+        """Give bucket ``b`` a device buffer for this backward (`Window.open`): its hooks
+        write (or add) each param's gradient into it."""
+
+    @abc.abstractmethod
+    def flush(self, b: Bucket) -> None:
+        """``b``'s buffer of this backward is complete (every param arrived, or the
+        backward ended): send it on its way to the host (`Window.take_pending`,
+        `Window.land`)."""
+
+    def end_backward(self, ended: bool) -> None:
+        """Every bucket of a backward is flushed; ``ended``: the outermost backward, not a
+        checkpointed block's nested one."""
+
+    # ---------------------------------------------------------------- step
+    def end_window(self) -> None:
+        """Before the step reads the window's grads: whatever is still to be sent goes."""
+
+    def complete(self) -> None:
+        """Finish whatever is in flight (``zero_grad``)."""
+
+    def reset(self) -> None:
+        """A new window starts."""
+
+    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
+        """(overflow flag, squared norm) the same on every rank: ``sumsq`` of whole
+        params' buckets, ``sharded`` of tensor-parallel shards' buckets; also which params
+        got a gradient (`Window.set_present`)."""
+        return flag, sumsq + sharded
+
+    @abc.abstractmethod
+    def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
+        """Upload ``b``'s new params after its CPU-Adam from host buffer ``src``
+        (`Bucket.out`; None: written into the params in place already), and mark the
+        bucket ready (``copier.mark_ready``) once its params are all queued."""
+
+    def finish_publish(self) -> None:
+        """After the last `publish` of a step."""
+
+    # ---------------------------------------------------------- checkpoints
+    def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
+        """Each fp32 host shard of ``shards`` (this rank's part of the bucket: master,
+        decoded moments) as the whole bucket on rank ``to``; None on the other ranks."""
+        return list(shards)
+
+    def whole_tensors(self, parts: list) -> list:
+        """Each (slot, [flat local tensors]) of ``parts`` as tensors shaped as the whole
+        param (a collective with tensor parallelism; every rank calls it alike)."""
+        return whole_params(parts)
+
+    def keeps_gathered(self, to: int) -> bool:
+        """Whether this rank holds the result of `gather(..., to=to)`."""
+        return True
+
+    def local_part(self, s, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of slot ``s``'s whole tensor ``t``, flat (no collective): the
+        inverse of `whole_tensors`."""
+        return t.reshape(-1)
+
+    # ----------------------------------------------------------- re-layout
+    def first_rank_order(self, order: list[int]) -> list[int]:
+        """The first rank's ``order`` (param indices) on every rank that shares this rank's
+        buckets."""
+        return list(order)
+
+    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Like `gather`, the whole bucket on each rank that shares the layout."""
+        return list(shards)
 
 
-class LocalExchange:
+class LocalExchange(Exchange):
     """One process: every bucket's whole gradient lands in its host state."""
-
-    rank, world = 0, 1
-    spans_ranks = False  # state_dict() needs no collective
 
     def __init__(self, copier):
         self.copier = copier
-        self.buckets: list[Bucket] = []
-        self.check = None
-
-    def attach(self, buckets: list[Bucket], check, pool) -> None:
-        self.buckets, self.check = buckets, check
-
-    def initial_values(self, layout) -> torch.Tensor | None:
-        return None
-
-    def begin_backward(self) -> None:
-        pass
+        self.attach([], None, None)
 
     def open(self, b: Bucket) -> None:
-        b.fold(self.copier)  # on the CPU the buffer below is grad16 itself: fold it first
+        b.add_last_to_sum(self.copier)  # on the CPU the buffer below is grad16 itself
         g16 = b.state.grads.grad16
         # Zeroed: params that get no grad in this backward keep their place.
-        b.window.pending = self.copier.twin(g16.numel(), g16.dtype, lambda: g16, zero=True)
-        b.window.last = g16
+        b.window.open(self.copier.device_buffer(g16.numel(), g16.dtype, lambda: g16,
+                                                zero=True))
 
     def flush(self, b: Bucket) -> None:
         buf = b.window.take_pending()
         self.check(buf, b)
         self.copier.to_host(b.layout.index, b.state.grads.grad16, buf)
-        b.window.landed += 1
-
-    def end_backward(self, ended: bool) -> None:
-        pass
-
-    def end_window(self) -> None:
-        pass
-
-    def complete(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
-        return flag, sumsq + sharded
+        b.window.land(b.state.grads.grad16)
 
     def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         if src is not None:  # else the CPU-Adam wrote the params in place already
             self.copier.to_params(b.layout.index, b.layout, src)
             self.copier.mark_ready(b.layout.index)
 
+
+class ForwardingExchange(Exchange):
+    """An exchange that wraps another (``inner``), which moves the grads and params; a
+    subclass overrides what it changes. Everything else is ``inner``'s."""
+
+    def __init__(self, inner: Exchange):
+        self.inner = inner
+        self.rank, self.world = inner.rank, inner.world
+        self.spans_ranks = inner.spans_ranks
+
+    @property
+    def copier(self):
+        return self.inner.copier
+
+    def attach(self, buckets, check, pool) -> None:
+        self.buckets = buckets
+        self.inner.attach(buckets, check, pool)
+
+    def initial_values(self, layout):
+        return self.inner.initial_values(layout)
+
+    def begin_backward(self) -> None:
+        self.inner.begin_backward()
+
+    def open(self, b: Bucket) -> None:
+        self.inner.open(b)
+
+    def flush(self, b: Bucket) -> None:
+        self.inner.flush(b)
+
+    def end_backward(self, ended: bool) -> None:
+        self.inner.end_backward(ended)
+
+    def end_window(self) -> None:
+        self.inner.end_window()
+
+    def complete(self) -> None:
+        self.inner.complete()
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
+        return self.inner.share_stats(flag, sumsq, sharded)
+
+    def publish(self, b: Bucket, src) -> None:
+        self.inner.publish(b, src)
+
     def finish_publish(self) -> None:
-        pass
+        self.inner.finish_publish()
 
-    def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
-        return list(shards)
+    def gather(self, b: Bucket, shards, *, to: int = 0):
+        return self.inner.gather(b, shards, to=to)
 
-    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(shards)
+    def whole_tensors(self, parts: list) -> list:
+        return self.inner.whole_tensors(parts)
 
-    def agree(self, order: list[int]) -> list[int]:
-        return list(order)
+    def keeps_gathered(self, to: int) -> bool:
+        return self.inner.keeps_gathered(to)
 
-    whole = staticmethod(whole_params)
-    local_part = staticmethod(local_flat)
+    def local_part(self, s, t: torch.Tensor) -> torch.Tensor:
+        return self.inner.local_part(s, t)
 
-    def receives(self, to: int) -> bool:
-        return True
+    def first_rank_order(self, order: list[int]) -> list[int]:
+        return self.inner.first_rank_order(order)
 
+    def gather_all(self, b: Bucket, shards):
+        return self.inner.gather_all(b, shards)

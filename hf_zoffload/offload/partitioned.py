@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import Collectives, resolve_group, wants_sync
-from .exchange import LocalExchange, local_flat, whole_params
+from .exchange import Exchange, LocalExchange
 from .host import HostPool
 from .state import Bucket
 
@@ -49,8 +49,8 @@ class _Reduction:
     landing: torch.Tensor
 
 
-class PartitionedExchange:
-    """The exchange (exchange.py) over a process group of N ranks.
+class PartitionedExchange(Exchange):
+    """The exchange over a process group of N ranks.
 
     The accumulation boundary: a backward reduces gradients across ranks only when
     `collectives.wants_sync` says so. The flag decides when bytes move, never
@@ -130,10 +130,11 @@ class PartitionedExchange:
                                       full=True)
             (u.acc.copy_ if u.count == 1 else u.acc.add_)(u.grad16)
         if self._sync and u.count:  # this backward's grads are added to the sum, in fp32
-            w.pending, w.prefilled, u.count = self.copier.to_device(u.acc), True, 0
+            w.open(self.copier.to_device(u.acc), adds_to_sum=True)
+            u.count = 0
         else:  # the whole (padded) bucket; on the CPU the unreduced host buffer itself
-            w.pending = self.copier.twin(b.layout.padded, self.dtype,
-                                         lambda: self._host16(b), zero=True)
+            w.open(self.copier.device_buffer(b.layout.padded, self.dtype,
+                                             lambda: self._host16(b), zero=True))
 
     def flush(self, b: Bucket) -> None:
         buf = b.window.take_pending()
@@ -150,17 +151,17 @@ class PartitionedExchange:
         else:
             landing = g.grad16
         self._complete(b)
-        b.fold(self.copier)  # an earlier reduced micro-step moves into the fp32 sum first
+        b.add_last_to_sum(self.copier)  # an earlier reduced micro-step joins the fp32 sum
         self._ready[b.layout.index] = _Reduction(b, None, buf, None, landing)
         while self._next in self._ready:  # launch in bucket order, whatever completed first
             self._launch(self._ready.pop(self._next))
             self._next += 1
-        b.window.last, u.round = landing, self._round
-        b.window.landed += 1
+        b.window.land(landing)
+        u.round = self._round
 
     def _launch(self, r: _Reduction) -> None:
         idx = r.bucket.layout.index
-        r.out = self.copier.twin(r.landing.numel(), r.landing.dtype, lambda: r.landing,
+        r.out = self.copier.device_buffer(r.landing.numel(), r.landing.dtype, lambda: r.landing,
                                  zero=False)
         r.work = self.coll.reduce_scatter_avg(r.out, r.inp, f"reduce-scatter of bucket {idx}")
         if self.defer:
@@ -225,7 +226,7 @@ class PartitionedExchange:
             [flag, sumsq + sharded, *seen], "all-reduce of the overflow flag and gradient norm")
         it = iter(seen)
         for b in self.buckets:
-            b.window.present = [next(it) > 0 for _ in b.layout.slots]
+            b.window.set_present([next(it) > 0 for _ in b.layout.slots])
         return flag, sumsq
 
     def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
@@ -285,15 +286,12 @@ class PartitionedExchange:
             work.wait()
         return list(out.transpose(0, 1).reshape(len(shards), -1).cpu())
 
-    def agree(self, order: list[int]) -> list[int]:
+    def first_rank_order(self, order: list[int]) -> list[int]:
         t = torch.tensor(order, dtype=torch.int64, device=self.coll.device)
         self.coll.broadcast_from_first(t, "broadcast of the bucket order")
         return t.tolist()
 
-    whole = staticmethod(whole_params)
-    local_part = staticmethod(local_flat)
-
-    def receives(self, to: int) -> bool:
+    def keeps_gathered(self, to: int) -> bool:
         return self.rank == to
 
 

@@ -9,7 +9,7 @@ first buckets from a guess (layout.py), records which param's gradient arrives w
 first backward (`ArrivalOrder`), and at the end of the first step, when no gradient is held
 anywhere, moves the host state into buckets filled in that order (`relayout`). With N ranks
 every rank takes that decision at its first step, and the first rank's order is used on
-every rank that shares the buckets (``exchange.agree``).
+every rank that shares the buckets (``exchange.first_rank_order``).
 
 The move is exact in every ``state_dtype``: masters and fp32 / bf16 moments are copied;
 8-bit moments are decoded and encoded again, which gives back the same codes and scales
@@ -121,7 +121,7 @@ class BucketOrder:
         known = set(fill)
         order = [i for i in dict.fromkeys(int(i) for i in order) if i in known]
         placed = set(order)
-        order = self.exchange.agree(order + [i for i in fill if i not in placed])
+        order = self.exchange.first_rank_order(order + [i for i in fill if i not in placed])
         self._arrival = None
         if order == fill:
             return

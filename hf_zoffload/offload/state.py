@@ -133,21 +133,46 @@ def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, poo
     return state
 
 
-@dataclass(eq=False)
 class Window:
-    """One bucket's part of the current accumulation window."""
+    """One bucket's part of the current accumulation window (docs/design.md, "Accumulation
+    window"). Its fields change only through the methods below, in this order per backward:
+    `open` (the exchange gives it a device buffer), `arrive` per param (the grad hook),
+    `take_pending` and `land` (the exchange sends it), and `set_present` at the step."""
 
-    present: list[bool]  # slot i got a grad in this window
-    arrived: int = 0  # grads arrived in the current backward
-    landed: int = 0  # backward passes whose grads were sent to the host in this window
-    last: torch.Tensor | None = None  # the host buffer the latest sent grads land in
-    pending: torch.Tensor | None = None  # device buffer collecting the current backward
-    prefilled: bool = False  # `pending` starts from earlier micro-steps: hooks add into it
+    def __init__(self, n_slots: int):
+        self.present = [False] * n_slots  # slot i got a grad in this window
+        self.arrived = 0  # grads arrived in the current backward
+        self.landed = 0  # backward passes whose grads were sent to the host in this window
+        self.last: torch.Tensor | None = None  # host buffer the latest sent grads land in
+        self.pending: torch.Tensor | None = None  # device buffer of the current backward
+        self.adds_to_sum = False  # `pending` holds earlier micro-steps: hooks add into it
+
+    def open(self, pending: torch.Tensor, *, adds_to_sum: bool = False) -> None:
+        """This backward's grads go into device buffer ``pending`` (``adds_to_sum``: it
+        starts from the sum of earlier micro-steps, and the hooks add to it)."""
+        self.pending, self.adds_to_sum = pending, adds_to_sum
+
+    def arrive(self, i: int) -> bool:
+        """Slot ``i``'s grad is in `pending`; whether every slot's now is."""
+        self.present[i] = True
+        self.arrived += 1
+        return self.arrived == len(self.present)
 
     def take_pending(self) -> torch.Tensor:
         """The complete buffer, leaving the window ready for the next backward."""
-        buf, self.pending, self.arrived, self.prefilled = self.pending, None, 0, False
+        buf, self.pending, self.arrived, self.adds_to_sum = self.pending, None, 0, False
         return buf
+
+    def land(self, host: torch.Tensor) -> None:
+        """The buffer taken is on its way to host buffer ``host``."""
+        self.last = host
+        self.landed += 1
+
+    def set_present(self, present: list[bool]) -> None:
+        """Which slots got a gradient on any rank (the step's all-reduce)."""
+        if len(present) != len(self.present):
+            raise RuntimeError(f"internal: {len(present)} flags for {len(self.present)} slots")
+        self.present = list(present)
 
 
 @dataclass(eq=False)
@@ -162,16 +187,17 @@ class Bucket:
         self.reset_window()
 
     def reset_window(self) -> None:
-        self.window = Window(present=[False] * len(self.layout.slots))
+        self.window = Window(len(self.layout.slots))
 
     def grad(self) -> torch.Tensor:
         """The window's gradient of this shard: the fp32 sum, or the one landed backward."""
         return self.state.grads.acc if self.window.landed > 1 else self.window.last
 
-    def fold(self, copier) -> None:
-        """Before new grads land: move the last landed ones into the fp32 sum, once they
-        have landed (on CUDA on the copier's host-work thread; the next copy into the same
-        buffer and any wait for this bucket wait for it)."""
+    def add_last_to_sum(self, copier) -> None:
+        """Before new grads land: add the last landed ones to the window's fp32 sum (the
+        first ones are copied there), once they have landed (on CUDA on the copier's
+        host-work thread; the next copy into the same buffer and any wait for this bucket
+        wait for it)."""
         w, g = self.window, self.state.grads
         if not w.landed:
             return

@@ -29,29 +29,24 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .collectives import Collectives, resolve_group
-from .exchange import LocalExchange
+from .exchange import Exchange, ForwardingExchange, LocalExchange
 from .partitioned import PartitionedExchange
 from .partitioned import make_exchange as make_plain_exchange
 from .state import Bucket
 
 
-class TensorParallelExchange:
-    """The exchange (exchange.py) for DTensor params: ``inner`` (one process per shard, or
-    data parallel over ``inner``'s group) moves the grads and params; this adds the numbers
-    that span the ``tp`` tensor-parallel ranks, over ``stats_group`` (every rank)."""
+class TensorParallelExchange(ForwardingExchange):
+    """The exchange for DTensor params: ``inner`` (one process per shard, or data parallel
+    over ``inner``'s group) moves the grads and params; this adds the numbers that span the
+    ``tp`` tensor-parallel ranks, over ``stats_group`` (every rank)."""
 
-    def __init__(self, inner, *, mesh, tp: int, stats_group, device: torch.device):
-        self.inner = inner
-        self.rank, self.world = inner.rank, inner.world  # how buckets are sharded (layout.py)
+    def __init__(self, inner: Exchange, *, mesh, tp: int, stats_group, device: torch.device):
+        super().__init__(inner)
         self.spans_ranks = True  # the shards are gathered over the tensor-parallel ranks
         self.mesh, self.tp = mesh, tp
         self.coll = Collectives(stats_group, device=device)
         self.buckets: list[Bucket] = []
-        self._to = 0  # the rank the last `gather` was for: `whole` keeps tensors there only
-
-    @property
-    def copier(self):
-        return self.inner.copier
+        self._to = 0  # the rank the last `gather` was for: `whole_tensors` keeps them there
 
     @property
     def sent(self) -> dict[str, int]:
@@ -59,48 +54,6 @@ class TensorParallelExchange:
         for k, v in self.coll.sent.items():
             out[k] = out.get(k, 0) + v
         return out
-
-    def attach(self, buckets: list[Bucket], check, pool) -> None:
-        self.buckets = buckets
-        self.inner.attach(buckets, check, pool)
-
-    # the data path is inner's: grads and params of this rank's local tensors
-    def initial_values(self, layout):
-        return self.inner.initial_values(layout)
-
-    def begin_backward(self) -> None:
-        self.inner.begin_backward()
-
-    def open(self, b: Bucket) -> None:
-        self.inner.open(b)
-
-    def flush(self, b: Bucket) -> None:
-        self.inner.flush(b)
-
-    def end_backward(self, ended: bool) -> None:
-        self.inner.end_backward(ended)
-
-    def end_window(self) -> None:
-        self.inner.end_window()
-
-    def complete(self) -> None:
-        self.inner.complete()
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def publish(self, b: Bucket, src) -> None:
-        self.inner.publish(b, src)
-
-    # the layout is shared with the data-parallel ranks only (uneven shards may differ)
-    def gather_all(self, b: Bucket, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.inner.gather_all(b, shards)
-
-    def agree(self, order: list[int]) -> list[int]:
-        return self.inner.agree(order)
-
-    def finish_publish(self) -> None:
-        self.inner.finish_publish()
 
     # what spans the tensor-parallel ranks
     def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
@@ -113,14 +66,17 @@ class TensorParallelExchange:
         flag, total, *seen = self.coll.all_reduce_sum(
             [flag, sharded + sumsq / self.tp, *seen],
             "all-reduce of the overflow flag and gradient norm over the tensor-parallel ranks")
+        present = {id(b): list(b.window.present) for b in self.buckets}
         for (_, b, i), got in zip(slots, seen):
-            b.window.present[i] = got > 0
+            present[id(b)][i] = got > 0
+        for b in self.buckets:
+            b.window.set_present(present[id(b)])
         return flag, total
 
     def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
         """This rank's local tensors' state, whole over the data-parallel ranks, on the
         first data-parallel rank of each shard (those ranks form one tensor-parallel group,
-        which `whole` then gathers over); None elsewhere."""
+        which `whole_tensors` then gathers over); None elsewhere."""
         if not 0 <= to < self.tp:
             raise ValueError(f"with tensor parallelism the state is gathered on one of the "
                              f"first data-parallel rank's {self.tp} tensor-parallel ranks; "
@@ -128,13 +84,13 @@ class TensorParallelExchange:
         self._to = to
         return self.inner.gather(b, shards, to=0)
 
-    def whole(self, parts: list) -> list:
+    def whole_tensors(self, parts: list) -> list:
         """(slot, [flat local tensors]) in param-index order (the same on every rank) ->
         the whole tensors (CPU) on the rank the last `gather` was for. The other ranks of
         the tensor-parallel group take part in each all-gather and keep an empty tensor for
         each sharded one (their callers return nothing), so that no rank but the saving one
         holds the whole state (12 B per param of the model, fp32)."""
-        keep, out = self.receives(self._to), []
+        keep, out = self.keeps_gathered(self._to), []
         with self.coll.guard("all-gather of the tensor-parallel shards of the optimizer "
                              "state"):
             for s, ts in parts:
@@ -152,11 +108,10 @@ class TensorParallelExchange:
                                             for _, ts in parts for t in ts)
         return out
 
-    def receives(self, to: int) -> bool:
+    def keeps_gathered(self, to: int) -> bool:
         return self.coll.rank == to
 
-    @staticmethod
-    def local_part(s, t: torch.Tensor) -> torch.Tensor:
+    def local_part(self, s, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole tensor ``t`` of ``s``'s param, flat: where DTensor puts
         the local shard (torch's own rule, uneven shards included); no collective."""
         p = s.param

@@ -27,7 +27,7 @@ What stands for what:
   (the engine's per-module forward waits) blocks the caller, the compute stream, until those
   jobs are done: only those, so a forward that reads a bucket it did not wait for sees it
   half-uploaded;
-- device buffers (`twin(zero=False)`, `side_buffer`, `to_device`) start as NaN, never as a
+- device buffers (`device_buffer(zero=False)`, `side_buffer`, `to_device`) start as NaN, never as a
   host buffer: the host buffer changes only when the worker copies into it;
 - a device buffer dropped after its copy was queued stays referenced by the job (rule 2).
 
@@ -46,12 +46,19 @@ import weakref
 
 import torch
 
+from hf_zoffload.offload.copier import Copier
+
 _live: weakref.WeakSet = weakref.WeakSet()  # open copiers, for the forward pre-hook
 
 
-class AsyncCopier:
-    pinned = False
-    params_on_host = False  # as CUDA: new params go up through to_params / to_flat
+class AsyncCopier(Copier):
+    cuda_path = True  # as CUDA: new params go up through to_params / to_flat
+
+    def updates_in_place(self, delayed: bool) -> bool:
+        return not self.cuda_path and not delayed  # else as HostCopier
+
+    def forwards_wait(self) -> bool:
+        return self.cuda_path
 
     def __init__(self, seed: int = 0, *, max_delay_s: float = 0.003,
                  chunk_delay_s: float = 0.001, max_chunks: int = 3,
@@ -151,7 +158,8 @@ class AsyncCopier:
         self._raise()
 
     # ------------------------------------------------------- the interface
-    def twin(self, numel: int, dtype: torch.dtype, host, *, zero: bool) -> torch.Tensor:
+    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype) if zero else _garbage(numel, dtype)
 
     def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -305,7 +313,7 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
 
     def make_copier(device, *, pin, threads):
         made.append(AsyncCopier(seed + len(made), **options))
-        made[-1].params_on_host = not cuda_path
+        made[-1].cuda_path = cuda_path
         return made[-1]
 
     saved = engine.make_copier
