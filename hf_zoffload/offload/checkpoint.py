@@ -18,12 +18,12 @@ saved with any tensor-parallel size loads with any other, or with none.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 
 from ..ops.cpu_adam import check_hyper
 from .support import is_dtensor
-from .threads import host_threads
 
 FORMAT_VERSION = 1
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -121,8 +121,26 @@ def _master_from_param(h, own: slice, value: torch.Tensor) -> None:
         h.master[own].copy_(value)
 
 
+class LoadPlan(NamedTuple):
+    """What a validated state_dict loads (`plan_load`), for `apply_load`."""
+
+    groups: list[dict]  # the saved param_groups
+    params: list[tuple[torch.Tensor, dict]]  # (a param the engine trains, its saved state)
+    scaler: dict | None  # the loss scaler's state, when both sides scale
+    bucket_order: list[int] | None
+    extra: dict  # the saved "zero_offload" entry
+
+
 def load_state_dict(opt, sd: dict) -> None:
-    """Validate everything first, then copy; a bad checkpoint changes nothing."""
+    """Validate everything first (`plan_load`), then copy (`apply_load`); a bad checkpoint
+    changes nothing."""
+    apply_load(opt, plan_load(opt, sd))
+
+
+def plan_load(opt, sd: dict) -> LoadPlan:
+    """Check ``sd`` against the engine (groups, params, shapes, hyperparameters, the loss
+    scaler's state, the bucket order) without changing anything; raises naming what is
+    wrong."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
     if "shell_of_rank" in sd.get("zero_offload", {}):
@@ -180,16 +198,21 @@ def load_state_dict(opt, sd: dict) -> None:
         raise ValueError("state_dict's zero_offload.bucket_order must be a list of param "
                          f"indices, got {type(order).__name__}")
 
-    # ---- nothing above changed the optimizer; apply
-    if order is not None:  # the buckets as the saved run had them (reorder.py)
-        opt.set_bucket_order(order)
+    return LoadPlan(groups, plan, scaler_sd, order, extra)
+
+
+def apply_load(opt, lp: LoadPlan) -> None:
+    """Copy a validated state into the engine (host state, params, steps, scaler)."""
+    groups, extra, scaler_sd = lp.groups, lp.extra, lp.scaler
+    if lp.bucket_order is not None:  # the buckets as the saved run had them (reorder.py)
+        opt.set_bucket_order(lp.bucket_order)
     for saved, ours in zip(groups, opt.param_groups):
         for k in _HYPER:
             if k in saved:
                 ours[k] = tuple(saved[k]) if k == "betas" else saved[k]
     loaded = set()
     ours_by_param = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
-    for p, st in plan:
+    for p, st in lp.params:
         b, s = ours_by_param[p]
         own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
         h = b.state
@@ -218,47 +241,3 @@ def load_state_dict(opt, sd: dict) -> None:
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
     opt.applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()
-
-
-class Checkpoints:
-    """`ZeroOffloadOptimizer`'s checkpoint methods (the functions above over its facts;
-    ``_drain``, ``copier``, ``_watch``, ``_consolidated`` are the engine's)."""
-
-    def state_dict(self) -> dict:
-        """The whole state in torch.optim.AdamW's per-param format. With N ranks: a
-        collective (rank 0 gets the state, the others a shell that refuses to load), unless
-        `consolidate_state_dict` ran since the last step."""
-        if self._consolidated is not None:
-            sd, self._consolidated = self._consolidated, None
-            return sd
-        self._drain()
-        with host_threads(self.cpu_threads):  # the moments decoded, copies: host passes
-            return state_dict(self)
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the state onto rank ``to``, a collective: every rank calls it (data or
-        tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
-        the next step. In one process there is nothing to gather and this does nothing."""
-        self._drain()
-        with host_threads(self.cpu_threads):
-            self._consolidated = state_dict(self, to=to) \
-                if self.exchange.spans_ranks else None
-
-    def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
-        """A full-precision ``model.state_dict()``: each param this optimizer trains
-        replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
-        they are. With N ranks a collective (every rank calls it) that returns the dict on
-        rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
-        self._drain()
-        with host_threads(self.cpu_threads):
-            return master_state_dict(self, model, to=to)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved with any number of ranks; each rank keeps its shard, on the
-        host. No collective: every rank must pass the same whole state."""
-        self._drain()
-        self.copier.finish_uploads()  # no upload may land over the loaded params
-        self._consolidated = None
-        with host_threads(self.cpu_threads):
-            load_state_dict(self, state_dict)
-        self._watch.note_written()

@@ -12,13 +12,17 @@ partitioned.py: data parallel, tensor_parallel.py: DTensor shards), which checks
 flag and squared norm, one kernel) and lands it on the host through the copier (copier.py).
 Gradient accumulation needs no boundary signal: every backward since the last ``step()`` /
 ``zero_grad()`` is summed, the second and later ones into an fp32 host buffer
-(docs/design.md, "Accumulation window"). The checkpoint, bucket-order and module-wait
-methods live beside their logic (checkpoint.py, reorder.py, hooks.py), as mixins.
+(docs/design.md, "Accumulation window").
+
+The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
+exchange.py), the bucket order (reorder.py), the module waits (hooks.py) and the delayed
+update (delayed.py); checkpoints are checkpoint.py's functions over the engine's facts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import math
@@ -31,17 +35,17 @@ from ..ops.cpu_adam import check_hyper
 from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
-from .checkpoint import Checkpoints
+from .checkpoint import load_state_dict, master_state_dict, state_dict
 from .copier import make_copier
 from .delayed import DelayedUpdate
-from .hooks import ParamWaits, queue_at_backward_end, register_grad_hooks, register_param_waits
+from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report, human
 from .params import ParamWatch, check_placement
 from .progress import Progress
-from .reorder import ArrivalOrder, BucketOrder
-from .state import Bucket, place
+from .reorder import BucketOrder, relayout
+from .state import Bucket, SlotPlace, place
 from .support import check_clip_args, local_grad
 from .tensor_parallel import make_exchange
 from .threads import bind_local_rank, cpu_threads, host_threads
@@ -50,7 +54,16 @@ from .update import Work, plan, run
 logger = logging.getLogger(__name__)
 
 
-class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Optimizer):
+class Phase(enum.Enum):
+    """Where the engine is in a step (as FSDP2's ``TrainingState``)."""
+
+    IDLE = "idle"  # between backwards: none is streaming gradients
+    BACKWARD = "backward"  # a backward streams gradients (first grad hook to its end)
+    FINALIZED = "finalized"  # the window's grads were read (clip_grad_norm_, step): no
+    # backward until step() opens the next window
+
+
+class ZeroOffloadOptimizer(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments in host memory (ZeRO-Offload).
 
     The hyperparameters and their defaults are torch.optim.AdamW's (weight_decay 0.01,
@@ -122,18 +135,19 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                                       copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
         # Buckets fill in reverse param order until the first backward shows the real
-        # order (reorder.py); how they are cut is kept for the re-layout.
-        self._cut = dict(bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)),
-                         align=self.moments.align)
+        # order (reorder.py).
+        self.order = BucketOrder([s.index for s in slots[::-1]], dict(
+            bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)), align=self.moments.align))
         layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
-                                world=self.exchange.world, **self._cut)
+                                world=self.exchange.world, **self.order.layout_args)
         needed = check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin,
                                    pinned=pin, world=self.exchange.world)  # before allocating
+        # Uploaded params: each module's forward waits for its own buckets only (they go up
+        # in forward order), so the first layers compute while the last ones still upload.
+        self.module_waits = ModuleWaits(self.copier) \
+            if model is not None and self.copier.forwards_wait() else None
         pool = HostPool(layouts, pin=pin)
-        self._install([s.index for s in slots[::-1]], pool,
-                      self._place(layouts, pool, needed))
-        self._arrival: ArrivalOrder | None = ArrivalOrder()  # None: the order is settled
-        self.relayout_seconds: float | None = None  # how long the last re-layout took
+        self._install(pool, self._place(layouts, pool, needed))
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
         self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
@@ -151,7 +165,8 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
             torch.full((n,), x, dtype=torch.float32, device=self.device)
             for x, n in ((0, 1), (0, 2), (1, 1)))
         self._sumsq_part = (self._sumsq[0:1], self._sumsq[1:2])
-        self._in_backward = False
+        self.phase = Phase.IDLE
+        self._stats: tuple[bool, float] | None = None  # (overflow, norm) once FINALIZED
         self._delayed = DelayedUpdate()
         self._uploads_pending: list = []  # (bucket, out) of a delayed update, to upload
         self._consolidated = None
@@ -162,18 +177,17 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         self._t_step_end: float | None = None
         self._reset_window()
         self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
-        # Uploaded params: each module's forward waits for its own buckets only (they go up
-        # in forward order), so the first layers compute while the last ones still upload.
-        self._module_waits = model is not None and self.copier.forwards_wait()
-        if self._module_waits:
-            register_param_waits(self, "_wait_params", model, [s.param for s in slots])
+        if self.module_waits is not None:
+            register_module_waits(self.module_waits, "before", model, [s.param for s in slots])
 
-    def _install(self, fill: list[int], pool: HostPool, buckets: list[Bucket]) -> None:
-        self.host_pool, self.buckets, self._fill = pool, buckets, fill
+    def _install(self, pool: HostPool, buckets: list[Bucket]) -> None:
+        """Buckets (new, or re-laid out) and the pool their landing buffers come from."""
+        self.host_pool, self.buckets = pool, buckets
         self.exchange.attach(buckets, self._check, pool)
-        self._where = {s.param: (b, i, s.offset, s.offset + s.numel, len(b.layout.slots))
+        self._where = {s.param: SlotPlace(b, i, s.offset, s.offset + s.numel)
                        for b in buckets for i, s in enumerate(b.layout.slots)}
-        self._module_keys: dict = {}  # module -> the buckets of its params (_wait_params)
+        if self.module_waits is not None:
+            self.module_waits.follow(buckets)
         self._watch = ParamWatch(buckets)
 
     def _place(self, layouts, pool: HostPool, needed: dict[str, int]) -> list[Bucket]:
@@ -215,21 +229,20 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         # copy (its place in the bucket is precomputed in self._where).
         if p.grad is None:
             return
-        b, i, lo, hi, n_slots = self._where[p]
+        b, i, lo, hi = self._where[p]
         w = b.window
-        if self._arrival is not None and self._arrival.recording:
-            self._arrival.note(b.layout.slots[i].index)
-        if not self._in_backward:
+        self.order.note(b.layout.slots[i].index)
+        if self.phase is not Phase.BACKWARD:
+            if self.phase is Phase.FINALIZED:
+                raise RuntimeError("backward after clip_grad_norm_() and before step(): "
+                                   "clip only once the gradients of this step are complete")
             check_placement(self.buckets, self.device, self.dtype)
-            self._in_backward = True
+            self.phase = Phase.BACKWARD
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end
             # of the outermost backward (hooks.py: reentrant checkpointing nests backwards).
             queue_at_backward_end(self._end_backward)
         if w.pending is None:
-            if self._final is not None:
-                raise RuntimeError("backward after clip_grad_norm_() and before step(): "
-                                   "clip only once the gradients of this step are complete")
             self.exchange.open(b)
         dst = w.pending[lo:hi]
         (dst.add_ if w.adds_to_sum else dst.copy_)(local_grad(p, p.grad).reshape(-1))
@@ -243,9 +256,10 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         self._check_kernel(buf, inv, self._found_inf, self._sumsq_part[b.layout.sharded])
 
     def _end_backward(self) -> None:
-        ended, self._in_backward = self._in_backward, False
-        if ended and self._arrival is not None:
-            self._arrival.stop()
+        ended = self.phase is Phase.BACKWARD
+        if ended:
+            self.phase = Phase.IDLE
+            self.order.end_backward()
         for b in self.buckets:
             if b.window.pending is not None:
                 self.exchange.flush(b)
@@ -254,8 +268,8 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
     # ------------------------------------------------------------------ step
     def _finalize(self) -> tuple[bool, float]:
         """Wait for this window's grads; return (overflow, unscaled global norm)."""
-        if self._final is not None:
-            return self._final
+        if self.phase is Phase.FINALIZED:
+            return self._stats
         self._end_backward()
         t0 = time.perf_counter()
         self.exchange.end_window()
@@ -274,8 +288,9 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
                 sums[b.layout.sharded] += float(torch.linalg.vector_norm(
                     b.grad(), dtype=torch.float32) * inv) ** 2
         flag, sumsq = self.exchange.share_stats(flag, *sums)  # so far this rank's shards
-        self._final = (flag != 0.0, math.sqrt(sumsq) if math.isfinite(sumsq) else sumsq)
-        return self._final
+        self._stats = (flag != 0.0, math.sqrt(sumsq) if math.isfinite(sumsq) else sumsq)
+        self.phase = Phase.FINALIZED
+        return self._stats
 
     def _inv_scale(self) -> float:
         # The scale the window's losses were multiplied by; step() may have updated the
@@ -313,7 +328,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         self.grad_norm = norm
         self._consolidated = None  # a consolidated state_dict is stale from here
         # Not before the buckets follow the first backward's order (re-laid out below).
-        delayed = self.plugin.delayed_update and self._arrival is None and \
+        delayed = self.plugin.delayed_update and self.order.settled and \
             self.applied_steps >= self.plugin.delayed_update_warmup_steps
         self._drain()  # a pending delayed update lands before anything else
         if self.loss_scaler.is_enabled():
@@ -324,10 +339,10 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         else:
             self._apply(norm, delayed=delayed)
         self._reset_window()
-        if self._arrival is not None:  # the first step, on every rank alike
+        if not self.order.settled:  # the first step, on every rank alike
             # After _apply has returned: its plan held views of every landing buffer, and
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
-            self.set_bucket_order(self._arrival.order(self._fill))
+            self.set_bucket_order(self.order.arrived())
         self._t_step_end = time.perf_counter()
 
     def _apply(self, norm: float, *, delayed: bool) -> None:
@@ -359,7 +374,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         module for its own, with ``model=``); returns the host seconds that took."""
         t0 = time.perf_counter()
         self.exchange.finish_publish()
-        if not self._module_waits:
+        if self.module_waits is None:
             self.copier.finish_uploads()
         return time.perf_counter() - t0
 
@@ -390,7 +405,7 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
         self.exchange.reset()
         self._found_inf.zero_()
         self._sumsq.zero_()
-        self._final, self._clip = None, None
+        self.phase, self._stats, self._clip = Phase.IDLE, None, None
         self._window_scale = self.loss_scaler.loss_scale
 
     def flush(self) -> None:
@@ -426,6 +441,88 @@ class ZeroOffloadOptimizer(Checkpoints, BucketOrder, ParamWaits, torch.optim.Opt
             yield
         finally:
             self.sync_gradients = before
+
+    # ------------------------------------------------------------ bucket order
+    @property
+    def bucket_order(self) -> list[int]:
+        """Param indices (torch's state_dict keys) in the order the buckets fill: the
+        reversed param order until the first step, then the order in which the first
+        backward's gradients arrived (reorder.py)."""
+        return list(self.order.fill)
+
+    @property
+    def relayout_seconds(self) -> float | None:
+        """How long the last re-layout took (None: none yet)."""
+        return self.order.relayout_seconds
+
+    def set_bucket_order(self, order) -> None:
+        """Fill the buckets in ``order`` (param indices; trainable params missing from it
+        follow in their current order, others are ignored), moving the host state; the
+        first backward's order is then no longer adopted. With N ranks a collective; the
+        first rank's order wins. Between steps only (checkpoints call it when loading)."""
+        order = self.order.resolve(order, self.exchange)
+        if order is None:
+            return
+        self._drain()
+        for b in self.buckets:  # no copy may still use the old buffers
+            self.copier.wait_landed(b.layout.index)
+            self.copier.wait_uploaded(b.layout.index)
+        # Drop every view of the old pool first: its pinned blocks go back to torch's
+        # cache, where the new pool's blocks of the same sizes come from.
+        pin, self.host_pool = self.host_pool.pin, None
+        self.exchange.attach([], self._check, None)
+        progress = Progress(logger, "moving the host state into gradient arrival order",
+                            sum(sum(b.state.nbytes().values()) for b in self.buckets),
+                            detail=f"{len(self.buckets)} buckets, once, after the first step")
+        with host_threads(self.cpu_threads):
+            pool, buckets = relayout(
+                self.buckets, order, exchange=self.exchange, dtype=self.dtype,
+                state_dtype=self.moments, pin=pin, progress=progress,
+                **self.order.layout_args)
+        self.order.fill = order
+        self._install(pool, buckets)
+        self._reset_window()
+        self.order.relayout_seconds = progress.done(f"{len(buckets)} buckets now")
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The whole state in torch.optim.AdamW's per-param format. With N ranks: a
+        collective (rank 0 gets the state, the others a dict without it that refuses to
+        load), unless `consolidate_state_dict` ran since the last step."""
+        if self._consolidated is not None:
+            sd, self._consolidated = self._consolidated, None
+            return sd
+        self._drain()
+        with host_threads(self.cpu_threads):  # the moments decoded, copies: host passes
+            return state_dict(self)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the state onto rank ``to``, a collective: every rank calls it (data or
+        tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
+        the next step. In one process there is nothing to gather and this does nothing."""
+        self._drain()
+        with host_threads(self.cpu_threads):
+            self._consolidated = state_dict(self, to=to) \
+                if self.exchange.spans_ranks else None
+
+    def master_state_dict(self, model: torch.nn.Module, *, to: int = 0) -> dict | None:
+        """A full-precision ``model.state_dict()``: each param this optimizer trains
+        replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
+        they are. With N ranks a collective (every rank calls it) that returns the dict on
+        rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
+        self._drain()
+        with host_threads(self.cpu_threads):
+            return master_state_dict(self, model, to=to)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved with any number of ranks; each rank keeps its shard, on the
+        host. No collective: every rank must pass the same whole state."""
+        self._drain()
+        self.copier.finish_uploads()  # no upload may land over the loaded params
+        self._consolidated = None
+        with host_threads(self.cpu_threads):
+            load_state_dict(self, state_dict)
+        self._watch.note_written()
 
     # ------------------------------------------------------------- reporting
     def memory_report(self) -> dict:

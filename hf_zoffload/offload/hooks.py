@@ -41,7 +41,7 @@ def register_grad_hooks(owner, method: str, params) -> list:
     return handles
 
 
-def register_param_waits(owner, method: str, model, params) -> list:
+def register_module_waits(owner, method: str, model, params) -> list:
     """``getattr(owner, method)(module)`` before the forward and the ``state_dict`` of
     each module of ``model`` that holds one of ``params`` directly, for as long as
     ``owner`` lives; ``getattr(owner, method)(None)`` after ``model``'s own forward."""
@@ -63,21 +63,30 @@ def register_param_waits(owner, method: str, model, params) -> list:
     return handles
 
 
-class ParamWaits:
-    """`ZeroOffloadOptimizer`'s side of `register_param_waits` (``copier``, ``_where``
-    and ``_module_keys``, reset with each layout, are the engine's)."""
+class ModuleWaits:
+    """Params that are uploaded: before each module's forward (and ``state_dict``) the
+    device waits for the buckets of that module's own params, not for every upload, so the
+    first layers compute while the last ones still upload (docs/design.md, "Bucket order").
+    After the model's forward (``module`` None) it waits for every upload still pending."""
 
-    def _wait_params(self, module) -> None:
-        """Before ``module``'s forward or state_dict: the device waits for the buckets of
-        its params; None (after the model's forward): for every upload still pending."""
+    def __init__(self, copier):
+        self.copier = copier
+        self.follow([])
+
+    def follow(self, buckets) -> None:
+        """The buckets after a (re-)layout."""
+        self._bucket_of = {s.param: b.layout.index for b in buckets for s in b.layout.slots}
+        self._keys: dict = {}  # module -> the buckets of its params, found on first use
+
+    def before(self, module) -> None:
         if module is None:
             self.copier.finish_uploads()
             return
-        keys = self._module_keys.get(module)
+        keys = self._keys.get(module)
         if keys is None:
-            keys = self._module_keys[module] = sorted({
-                self._where[p][0].layout.index for p in module.parameters(recurse=False)
-                if p in self._where})
+            keys = self._keys[module] = sorted({self._bucket_of[p] for p in
+                                                module.parameters(recurse=False)
+                                                if p in self._bucket_of})
         self.copier.wait_ready(keys)
 
 

@@ -31,7 +31,6 @@ from .host import HostPool
 from .layout import build_layouts
 from .progress import Progress
 from .state import Bucket, empty_state, zero_gaps
-from .threads import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -102,44 +101,42 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
 
 
 class BucketOrder:
-    """`ZeroOffloadOptimizer`'s bucket order: the fact and the re-layout (``_fill``,
-    ``_arrival``, ``_install``, ``_drain`` and the rest are the engine's)."""
+    """The order the buckets fill in, which the engine holds: param indices (torch's
+    state_dict keys), the reversed param order until the first step, then the order in
+    which the first backward's gradients arrived (recorded here), or a checkpoint's. How
+    buckets are cut (``layout_args``: bucket_numel, align) is kept for the re-layout."""
+
+    def __init__(self, fill: list[int], layout_args: dict):
+        self.fill = list(fill)
+        self.layout_args = dict(layout_args)
+        self.arrival: ArrivalOrder | None = ArrivalOrder()  # None: the order is settled
+        self.relayout_seconds: float | None = None  # how long the last re-layout took
 
     @property
-    def bucket_order(self) -> list[int]:
-        """Param indices (torch's state_dict keys) in the order the buckets fill: the
-        reversed param order until the first step, then the order in which the first
-        backward's gradients arrived (reorder.py)."""
-        return list(self._fill)
+    def settled(self) -> bool:
+        """No first-backward order is waiting to be adopted."""
+        return self.arrival is None
 
-    def set_bucket_order(self, order) -> None:
-        """Fill the buckets in ``order`` (param indices; trainable params missing from it
-        follow in their current order, others are ignored), moving the host state; the
-        first backward's order is then no longer adopted. With N ranks a collective; the
-        first rank's order wins. Between steps only (checkpoints call it when loading)."""
-        fill = self._fill
-        known = set(fill)
+    def note(self, index: int) -> None:
+        """A grad of param ``index`` arrived (the first backward's are recorded)."""
+        if self.arrival is not None:
+            self.arrival.note(index)
+
+    def end_backward(self) -> None:
+        if self.arrival is not None:
+            self.arrival.stop()
+
+    def arrived(self) -> list[int]:
+        """The first backward's order, completed (`ArrivalOrder.order`)."""
+        return self.arrival.order(self.fill)
+
+    def resolve(self, order, exchange) -> list[int] | None:
+        """``order`` made an order of exactly the current params (unknown indices dropped,
+        missing ones after it in their current order), the first rank's on every rank; the
+        first backward's order is then no longer adopted. None when it is the current one."""
+        known = set(self.fill)
         order = [i for i in dict.fromkeys(int(i) for i in order) if i in known]
         placed = set(order)
-        order = self.exchange.first_rank_order(order + [i for i in fill if i not in placed])
-        self._arrival = None
-        if order == fill:
-            return
-        self._drain()
-        for b in self.buckets:  # no copy may still use the old buffers
-            self.copier.wait_landed(b.layout.index)
-            self.copier.wait_uploaded(b.layout.index)
-        # Drop every view of the old pool first: its pinned blocks go back to torch's
-        # cache, where the new pool's blocks of the same sizes come from.
-        pin, self.host_pool = self.host_pool.pin, None
-        self.exchange.attach([], self._check, None)
-        progress = Progress(logger, "moving the host state into gradient arrival order",
-                            sum(sum(b.state.nbytes().values()) for b in self.buckets),
-                            detail=f"{len(self.buckets)} buckets, once, after the first step")
-        with host_threads(self.cpu_threads):
-            pool, buckets = relayout(
-                self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-                state_dtype=self.moments, pin=pin, progress=progress, **self._cut)
-        self._install(order, pool, buckets)
-        self._reset_window()
-        self.relayout_seconds = progress.done(f"{len(buckets)} buckets now")
+        order = exchange.first_rank_order(order + [i for i in self.fill if i not in placed])
+        self.arrival = None
+        return None if order == self.fill else order

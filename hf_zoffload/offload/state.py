@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -247,3 +248,13 @@ class Bucket:
     @property
     def param_dtype(self) -> torch.dtype:
         return self.state.grads.grad16.dtype
+
+
+class SlotPlace(NamedTuple):
+    """Where a param's gradient goes: its bucket, its slot's index there, and its elements
+    [lo, hi) of the bucket's flat buffer (the grad hook's one lookup)."""
+
+    bucket: Bucket
+    index: int
+    lo: int
+    hi: int

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from hf_zoffload import ZeroOffloadOptimizer
 from hf_zoffload.offload.delayed import DelayedUpdate
+from hf_zoffload.offload.hooks import ModuleWaits
 from hf_zoffload.offload.state import Bucket
 from tests.offload import _dp_worker as w
 from tests.offload._async_copier import AsyncCopier, installed, synchronize
@@ -244,7 +244,7 @@ def _no_sync_loop(steps, *, slow_bucket=None, module_waits=True, monkeypatch=Non
 
         monkeypatch.setattr(AsyncCopier, "_copy_to_params", slow)
     if not module_waits:  # only the waits after the model's forward and at step() stay
-        monkeypatch.setattr(ZeroOffloadOptimizer, "_wait_params", lambda self, m: (
+        monkeypatch.setattr(ModuleWaits, "before", lambda self, m: (
             self.copier.finish_uploads() if m is None else None))
     with installed(seed) if slow_bucket is not None else contextlib.nullcontext([]) as made:
         model, opt = w.build(bucket_size_mb=BUCKET_MB, compute_dtype="bf16")

@@ -139,7 +139,7 @@ def test_local_ranks_get_disjoint_whole_cores(monkeypatch, world):
         set_to = []
         cpus = threads_mod.bind_local_rank(
             {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)},
-            read=_topology(HT, cgroup="0-7"), setaffinity=lambda pid, c: set_to.append(c))
+            read=_topology(HT, cgroup="0-7"), setaffinity=lambda pid, c, out=set_to: out.append(c))
         monkeypatch.setattr(threads_mod, "_bound", None)  # each rank is its own process
         assert set_to == [cpus]
         got.append(cpus)
@@ -196,7 +196,6 @@ def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch):
     cpu_threads; the caller's count is back to one after each."""
     from hf_zoffload.offload import copier as copier_mod
     from hf_zoffload.offload import engine as engine_mod
-    from hf_zoffload.offload import reorder as reorder_mod
 
     seen = {"fold": [], "run": [], "relayout": []}
     real_after = copier_mod.HostCopier.after_landed
@@ -205,8 +204,8 @@ def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch):
     real_run = engine_mod.run
     monkeypatch.setattr(engine_mod, "run", lambda *a, **k: (
         seen["run"].append(torch.get_num_threads()), real_run(*a, **k))[1])
-    real_relayout = reorder_mod.relayout
-    monkeypatch.setattr(reorder_mod, "relayout", lambda *a, **k: (
+    real_relayout = engine_mod.relayout
+    monkeypatch.setattr(engine_mod, "relayout", lambda *a, **k: (
         seen["relayout"].append(torch.get_num_threads()), real_relayout(*a, **k))[1])
     before = torch.get_num_threads()
     torch.set_num_threads(1)

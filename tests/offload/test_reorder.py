@@ -92,7 +92,7 @@ def test_the_move_is_exact_in_every_state_dtype(state, compute):
         if preset:
             opt.set_bucket_order(order)
             assert opt.relayout_seconds is not None  # moved here, before any step
-            opt.relayout_seconds = None
+            opt.order.relayout_seconds = None
         params = _steps(model, opt, data)
         if not preset:
             order = opt.bucket_order
