@@ -18,6 +18,7 @@ for fp32/fp16/bf16 (checked with two processes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +50,14 @@ class _Reduction:
     landing: torch.Tensor
 
 
+class _Gather(NamedTuple):
+    """An all-gather of a bucket's new params in flight: ``flat`` fills from every rank."""
+
+    bucket: Bucket
+    work: object
+    flat: torch.Tensor
+
+
 class PartitionedExchange(Exchange):
     """The exchange over a process group of N ranks.
 
@@ -78,7 +87,7 @@ class PartitionedExchange(Exchange):
         self._ready: dict[int, _Reduction] = {}
         self._next = 0
         self._inflight: list[_Reduction] = []
-        self._gathers: list[tuple] = []
+        self._gathers: list[_Gather] = []
 
     @property
     def sent(self) -> dict[str, int]:
@@ -246,7 +255,7 @@ class PartitionedExchange(Exchange):
             self.copier.to_flat(lay.index, own, src)
         with self.copier.side():
             work = self.coll.all_gather(flat, own, f"all-gather of bucket {lay.index}")
-        self._gathers.append((b, work, flat))
+        self._gathers.append(_Gather(b, work, flat))
         if len(self._gathers) > 2:
             self._copy_out([self._gathers.pop(0)])
 
