@@ -69,3 +69,28 @@ def test_offload_cpu_times_the_engine_step_and_the_kernel_in_rounds(monkeypatch,
         "bare CPU-Adam kernel", "`ZeroOffloadOptimizer.step()`"]
     assert rows[0][1] == rows[1][1] == "3.3"  # the same params in both
     assert rows[0][4] == "1.00" and float(rows[1][4]) > 0
+
+
+def test_scaling_report_takes_each_ratio_per_round_against_its_launchs_references(
+        monkeypatch):
+    bench = _load("bench_scaling.py", monkeypatch)
+    methods = [("D2D copy", None, 4), ("ours", None, 2), ("ours+out", None, 6),
+               ("torch pair", None, 6)]
+    # eager: ours twice the copy's speed in two rounds of three, as fast as torch pair in the
+    # third: the per-round ratios give 1.00 of copy GB/s and 3.00x; the rows' medians would
+    # give 0.25 and 1.50x. graph: every row 1 ms, so of copy GB/s is the bytes' ratio and
+    # every speedup 1.00x.
+    eager = {"D2D copy": [1, 2, 10], "ours": [0.5, 4, 5], "ours+out": [1, 2, 10],
+             "torch pair": [1.5, 2, 15]}
+    seconds = {f"{name}, {mode}": [t * 1e-3 for t in eager[name]] if mode == "eager"
+               else [1e-3] * 3 for name, _, _ in methods for mode in ("eager", "graph")}
+    lines = bench["report"](methods, bench["il"].Rounds(seconds, []), 10**6)
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+            [c.strip() for c in line.strip("|").split("|")[2:]]
+            for line in lines if line.startswith("| ") and "---" not in line}
+    assert rows["ours", "eager"] == ["4.000", "2", "0", "1.00", "3.00x"]  # 4 ms: 2 MB / 4 ms
+    assert rows["ours+out", "eager"] == ["2.000", "6", "3", "1.50", "1.50x"]
+    assert rows["ours", "graph"] == ["1.000", "2", "2", "0.50", "1.00x"]
+    assert rows["torch pair", "graph"][3:] == ["1.50", "1.00x"]
+    assert "targets (eager): ours 3.00x the torch pair (want >= 1.5x), 1.00 of copy GB/s" in \
+        "\n".join(lines)
