@@ -81,7 +81,7 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     """[(row, nominal B/param)] in table order, and their times over ``rounds`` rounds.
 
     The rows alternate, so every path's buffers live at once: 66 B/param with DeepSpeed, 58
-    without (5.8 GB at 100M params; the sequential rows held about half). Each traffic pass
+    without (5.8 GB at 100M params; one path at a time peaked at 36). Each traffic pass
     gets scratch of its own, so its adds never reach a buffer an Adam row reads."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
