@@ -19,9 +19,14 @@ Rows per (size, threads):
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
 
-ms/step is the median of --repeats timed calls after one warm-up; GB/s counts the nominal bytes
-above; "of ceiling" is the row's GB/s over the ceiling's, the fraction of the measured memory
-bandwidth it uses; "vs fp32 state" is the fp32-state engine row's ms over the row's ms.
+The rows of one (size, threads) block are timed in rounds (scripts/_interleave.py): each of the
+--repeats rounds times every row once, the order rotating, so a drift in memory bandwidth
+within the run falls on every row alike. ms/step is a row's median over rounds; GB/s counts
+the nominal bytes above at that median; every ratio is the median over rounds of the ratio of
+two calls made in the same round: "of ceiling" the row's GB/s over the ceiling's (the fraction
+of the measured memory bandwidth it uses), "vs torch fused", "vs torch composed", "vs
+DeepSpeed" (DeepSpeedCPUAdam fp32, a column only when deepspeed imports) and "vs fp32 state"
+that reference row's ms over the row's (above 1: the row is faster).
 Usage: python scripts/bench_cpu_adam.py [--sizes 10M,50M,100M] [--threads 1,2] [--repeats 5]
 """
 
@@ -30,35 +35,37 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
-import hf_zoffload
-from hf_zoffload.commands.env import cpu_name
-from hf_zoffload.ops import cpu_adam as ca
-from hf_zoffload.ops import moments as mo
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run with runpy (the tests) rather than as a script
+    sys.path.insert(0, HERE)
+
+import _interleave as il  # noqa: E402
+
+import hf_zoffload  # noqa: E402
+from hf_zoffload.commands.env import cpu_name  # noqa: E402
+from hf_zoffload.ops import cpu_adam as ca  # noqa: E402
+from hf_zoffload.ops import moments as mo  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CEILING = "ceiling (read 4, write 3)"
+TORCH_FUSED = "torch AdamW(fused) fp32"
+TORCH_COMPOSED = "torch composed 16-bit"
+DS_FP32 = "DeepSpeedCPUAdam fp32"
+FP32_STATE = "ours fp32 state, out over grads"
+# (column, reference row): each row's "vs" column is the reference's ms over the row's
+REFERENCES = [("vs torch fused", TORCH_FUSED), ("vs torch composed", TORCH_COMPOSED),
+              ("vs DeepSpeed", DS_FP32), ("vs fp32 state", FP32_STATE)]
 
 
 def _size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
     return int(float(text.rstrip("KMG")) * scale)
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up: first touch of every page, thread pool start, DeepSpeed/torch lazy init
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _deepspeed():
@@ -69,29 +76,34 @@ def _deepspeed():
     return DeepSpeedCPUAdam
 
 
-def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.dtype,
-          qblocks: list[int]):
+def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.dtype,
+          qblocks: list[int]) -> tuple[list[tuple[str, float]], il.Rounds]:
+    """[(row, nominal B/param)] in table order, and their times over ``rounds`` rounds.
+
+    The rows alternate, so every path's buffers live at once: 66 B/param with DeepSpeed, 58
+    without (5.8 GB at 100M params; one path at a time peaked at 36). Each traffic pass
+    gets scratch of its own, so its adds never reach a buffer an Adam row reads."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     m, v = torch.zeros(n), torch.zeros(n)
     g32 = torch.randn(n, generator=gen) * 1e-2
     g16 = g32.to(grad16)
-    o16 = torch.empty(n, dtype=out16)
+    o16 = torch.empty(n, dtype=out16)  # written by rows, read by none
     ext = ca._ext()
     rows = []
 
-    def add(name, ms, nbytes):
-        rows.append((name, ms, nbytes))
+    def add(name, fn, nbytes):
+        rows.append((name, fn, nbytes))
 
-    add("ceiling (read 4, write 3)", _time(lambda: ext.traffic_pass(
-        p.data_ptr(), m.data_ptr(), v.data_ptr(), g32.data_ptr(), n, threads), repeats), 28)
-    m.zero_(), v.zero_()  # the ceiling pass wrote into them; keep Adam's moments sane
+    sa, sb, sc = torch.zeros(n), torch.zeros(n), torch.zeros(n)  # sums of g32: finite
+    add(CEILING, lambda: ext.traffic_pass(sa.data_ptr(), sb.data_ptr(), sc.data_ptr(),
+                                          g32.data_ptr(), n, threads), 28)
 
     param = torch.nn.Parameter(p.clone())
     param.grad = g32.clone()
     opt = torch.optim.AdamW([param], lr=HP["lr"], weight_decay=HP["weight_decay"], fused=True)
-    add("torch AdamW(fused) fp32", _time(opt.step, repeats), 28)
+    add(TORCH_FUSED, opt.step, 28)
 
     def composed(step):
         def run():
@@ -100,16 +112,12 @@ def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.
             o16.copy_(param.detach())
         return run
 
-    add("torch composed 16-bit", _time(composed(opt.step), repeats), 40)
-    del opt
-
+    add(TORCH_COMPOSED, composed(opt.step), 40)
     ds_cls = _deepspeed()
-    if ds_cls is not None:
+    if ds_cls is not None:  # steps the same param as torch, with moments of its own
         ds = ds_cls([param], lr=HP["lr"], weight_decay=HP["weight_decay"], adamw_mode=True)
-        add("DeepSpeedCPUAdam fp32", _time(ds.step, repeats), 28)
-        add("DeepSpeedCPUAdam composed 16-bit", _time(composed(ds.step), repeats), 40)
-        del ds
-    param.grad = None  # frees the fp32 grad copy before our rows run
+        add(DS_FP32, ds.step, 28)
+        add("DeepSpeedCPUAdam composed 16-bit", composed(ds.step), 40)
 
     step = [0]
 
@@ -119,10 +127,10 @@ def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.
             ca.adam_update(p, grad, m, v, step=step[0], out16=out, num_threads=threads, **HP)
         return run
 
-    add("ours fp32", _time(ours(g32, None), repeats), 28)
-    add("ours 16-bit grad in + 16-bit out", _time(ours(g16, o16), repeats), 28)
+    add("ours fp32", ours(g32, None), 28)
+    add("ours 16-bit grad in + 16-bit out", ours(g16, o16), 28)
     g = g16.to(out16)  # the engine's buffer: grads in, new params out, one dtype
-    add("ours fp32 state, out over grads", _time(ours(g, g), repeats), 28)
+    add(FP32_STATE, ours(g, g), 28)
     mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
 
     def compact(mm, vv, scales=None, qblock=mo.QBLOCK):
@@ -132,23 +140,29 @@ def bench(n: int, threads: int, repeats: int, grad16: torch.dtype, out16: torch.
                                      scales=scales, qblock=qblock, **HP)
         return run
 
-    add("ours bf16 state, out over grads", _time(compact(mb, vb), repeats), 20)
-    del mb, vb
+    add("ours bf16 state, out over grads", compact(mb, vb), 20)
     mc, vc = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     for qb in qblocks:
         scales = (torch.zeros(-(-n // qb)), torch.zeros(-(-n // qb)))
-        add(f"ours int8 state (block {qb}), out over grads",
-            _time(compact(mc, vc, scales, qb), repeats), 16 + 16 / qb)
-    add("int8 ceiling (read 8, write 8)", _time(lambda: ext.traffic_pass_q8(  # last: adds 1s
-        p.data_ptr(), g.data_ptr(), mc.data_ptr(), vc.data_ptr(), n, threads), repeats), 16)
-    return rows
+        add(f"ours int8 state (block {qb}), out over grads", compact(mc, vc, scales, qb),
+            16 + 16 / qb)
+    # Its fp32 "params" are the ceiling's first scratch array and its 16-bit "grads" o16, both
+    # read by no Adam row, its codes two byte arrays of its own. It adds 1 to each: the scratch
+    # grows by ~1 a round (and g32's ~0.01 from the ceiling), finite and never subnormal (a
+    # subnormal operand can cost an add a microcode assist); the integers wrap.
+    cm, cv = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    add("int8 ceiling (read 8, write 8)", lambda: ext.traffic_pass_q8(
+        sa.data_ptr(), o16.data_ptr(), cm.data_ptr(), cv.data_ptr(), n, threads), 16)
+    timed = il.interleave([(name, fn) for name, fn, _ in rows], rounds)
+    return [(name, nbytes) for name, _, nbytes in rows], timed
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="10M,50M,100M", help="comma list, K/M/G suffixes")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (median)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="rounds, each timing every row once in rotating order (medians)")
     ap.add_argument("--grad_dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--out_dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--qblocks", default=str(mo.QBLOCK),
@@ -171,19 +185,25 @@ def main(argv=None) -> int:
           f"OpenMP {'on' if feats['openmp'] else 'off'}); deepspeed "
           f"{__import__('deepspeed').__version__ if ds else 'not installed'}.  "
           f"16-bit rows: {args.grad_dtype} grads, {args.out_dtype} params out.\n")
+    refs = [(col, ref) for col, ref in REFERENCES if ds is not None or ref != DS_FP32]
+    print(f"Rounds per block: {args.repeats}, each timing every row once, the order rotating; "
+          "ms/step is a row's median over rounds, each ratio the median of its per-round "
+          "ratios.\n")
     print("| params | threads | path | B/param | ms/step | Mparams/s | GB/s | of ceiling | "
-          "vs fp32 state |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          + " | ".join(col for col, _ in refs) + " |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(refs))
     for n in sizes:
         for t in threads:
-            rows = bench(n, t, args.repeats, DTYPES[args.grad_dtype], DTYPES[args.out_dtype],
-                         qblocks)
-            ceiling = n * 28 / rows[0][1]  # bytes per ms
-            fp32_state = next(ms for name, ms, _ in rows if name.startswith("ours fp32 state"))
-            for name, ms, nbytes in rows:
+            rows, timed = bench(n, t, args.repeats, DTYPES[args.grad_dtype],
+                                DTYPES[args.out_dtype], qblocks)
+            for name, nbytes in rows:
+                ms = timed.median(name) * 1e3
+                # GB/s over the ceiling's in each round: B/param over 28, times its ms over ours
+                of_ceiling = nbytes / 28 * timed.ratio(CEILING, name)
+                vs = " | ".join(f"{timed.ratio(ref, name):.2f}" for _, ref in refs)
                 print(f"| {n / 1e6:g}M | {t} | {name} | {nbytes:g} | {ms:.2f} | "
-                      f"{n / ms / 1e3:.0f} | {n * nbytes / ms / 1e6:.1f} | "
-                      f"{n * nbytes / ms / ceiling:.2f} | {fp32_state / ms:.2f} |", flush=True)
+                      f"{n / ms / 1e3:.0f} | {n * nbytes / ms / 1e6:.1f} | {of_ceiling:.2f} | "
+                      f"{vs} |", flush=True)
     return 0
 
 

@@ -1,10 +1,12 @@
 """Benchmark the offload engine.
 
-CPU: ``ZeroOffloadOptimizer.step()`` over a GPT-2-124M-shaped set of bf16 params against the
-bare CPU-Adam kernel over the same bytes, in one run (the engine's overhead).
+CPU: ``ZeroOffloadOptimizer.step()`` over a GPT-2-124M-shaped set of bf16 params (--layers,
+--hidden) against the bare CPU-Adam kernel over the same bytes, in one run (the engine's
+overhead): --repeats rounds, each timing one step and one kernel call in alternating order
+(scripts/_interleave.py); ms is each one's median, "vs kernel" the median per-round ratio.
 CUDA: tokens/s and peak device memory of a GPT-2 training step for ours (with and without the
 delayed update), plain AMP AdamW, and torchao's CPUOffloadOptimizer / DeepSpeed ZeRO-2 with
-optimizer offload when they are installed.
+optimizer offload when they are installed, one path after another (see bench_cuda).
 ``--world_size N`` (CPU, gloo, N processes on this machine): the bytes each rank hands to the
 collectives and writes to its sockets per step, against the theory (N-1)/N x 4 B/param.
 ``--world_size N --tp_size T``: a Llama-shaped model sharded with its transformers
@@ -24,13 +26,20 @@ import gc
 import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
 
-from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.commands.env import cpu_name
-from hf_zoffload.ops.cpu_adam import adam_update
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # imported by the tests rather than run as a script
+    sys.path.insert(0, HERE)
+
+import _interleave as il  # noqa: E402
+
+from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin  # noqa: E402
+from hf_zoffload.commands.env import cpu_name  # noqa: E402
+from hf_zoffload.ops.cpu_adam import adam_update  # noqa: E402
 
 
 def gpt2_shapes(n_layer=12, d=768, vocab=50257, ctx=1024):
@@ -41,19 +50,10 @@ def gpt2_shapes(n_layer=12, d=768, vocab=50257, ctx=1024):
     return shapes + [(d,), (d,)]
 
 
-def timed(fn, repeats):
-    fn()  # warm-up: first touch of every page
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_cpu(args) -> list[str]:
     torch.set_num_threads(args.threads)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes()]
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02)
+              for s in gpt2_shapes(args.layers, args.hidden)]
     n = sum(p.numel() for p in params)
     opt = ZeroOffloadOptimizer(params, lr=1e-4, plugin=ZeroOffloadPlugin(
         compute_dtype="bf16", bucket_size_mb=args.bucket_size_mb, cpu_threads=args.threads))
@@ -67,9 +67,6 @@ def bench_cpu(args) -> list[str]:
         opt.step()
         return time.perf_counter() - t0
 
-    engine_step()
-    step_s = statistics.median(engine_step() for _ in range(args.repeats))
-
     master = torch.randn(n) * 0.02
     m, v = torch.zeros(n), torch.zeros(n)
     grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
@@ -81,14 +78,17 @@ def bench_cpu(args) -> list[str]:
         adam_update(master, grad, m, v, step=state["step"], lr=1e-4, beta1=0.9, beta2=0.999,
                     eps=1e-8, weight_decay=0.0, out16=out, num_threads=args.threads)
 
-    kernel_s = timed(kernel, args.repeats)
+    # the engine's first step (the warm-up) re-lays its host state out; only the step counts
+    timed = il.interleave([("kernel", kernel), ("engine", il.SelfTimed(engine_step))],
+                          args.repeats)
+    kernel_s, step_s = timed.median("kernel"), timed.median("engine")
     gb = n * 28 / 1e9  # bytes the one pass moves per param: read 2+4+4+4, write 4+4+4+2
     return [
         f"| bare CPU-Adam kernel, bf16 grad in / bf16 param out | {n/1e6:.1f}M | "
         f"{kernel_s*1e3:.1f} | {gb/kernel_s:.1f} | 1.00 |",
         f"| `ZeroOffloadOptimizer.step()` ({len(opt.buckets)} buckets of "
         f"{args.bucket_size_mb:g} MiB) | {n/1e6:.1f}M | {step_s*1e3:.1f} | {gb/step_s:.1f} | "
-        f"{step_s/kernel_s:.2f} |",
+        f"{timed.ratio('engine', 'kernel'):.2f} |",
     ]
 
 
@@ -139,6 +139,7 @@ def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
 
 
 def bench_world(args) -> list[str]:
+    # bytes counted, not timed (the step's ms is a note, compared with nothing): no rounds
     n_ranks = args.world_size
     res = _spawn(_dp_rank, args)
     n, frac = res[0]["n"], (n_ranks - 1) / n_ranks
@@ -275,6 +276,10 @@ def bench_tp(args) -> list[str]:
 
 
 def bench_cuda(args) -> list[str]:
+    """One path after another, not in rounds (scripts/_interleave.py): a path's peak device
+    memory is its own only while no other path's model and optimizer are resident, DeepSpeed's
+    initialize and torchao's bf16 cast take the model over, and the table reports each path's
+    tokens/s and peak memory, no ratio between paths."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,

@@ -8,7 +8,11 @@ Compares, over --elements elements in buckets of --bucket (default 1B in 25M buc
 against a device-to-device copy of the whole buffer (2 + 2 B/elem), whose bytes/s is the
 measured copy bandwidth. Each method runs eagerly and replayed from a CUDA graph: the graph
 removes Python launch cost (~10 us per Triton launch, about a 25M-fp16 bucket's read time
-on an H200), leaving the device throughput. Prints a markdown table.
+on an H200), leaving the device throughput. The eight (method, launch) rows are timed in
+--samples rounds (scripts/_interleave.py), each timing one sample of --passes passes of every
+row, the order rotating: ms / pass is a row's median over rounds, "of copy GB/s" and "speedup
+vs torch pair" the medians of the per-round ratios to the copy and the torch pair of the same
+launch. Prints a markdown table.
 
     python scripts/bench_scaling.py [--elements N] [--bucket N] [--dtype fp16]
 """
@@ -16,10 +20,16 @@ on an H200), leaving the device throughput. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # imported by the tests rather than run as a script
+    sys.path.insert(0, HERE)
+
+import _interleave as il  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -30,24 +40,20 @@ def parse_args(argv=None):
     p.add_argument("--bucket", type=int, default=25_000_000)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--passes", type=int, default=10, help="passes per timed sample")
-    p.add_argument("--samples", type=int, default=5, help="timed samples; the median is kept")
+    p.add_argument("--samples", type=int, default=5,
+                   help="rounds, each timing one sample of every row; medians over rounds")
     return p.parse_args(argv)
 
 
-def time_pass(fn, *, passes, samples):
-    """Median seconds for one call of fn, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(passes):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / passes)
-    return statistics.median(times)
+def sample(fn, passes):
+    """Seconds for one call of fn, the mean over ``passes`` calls timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(passes):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / passes
 
 
 def graphed(fn):
@@ -69,6 +75,32 @@ def foreach_norm_fp32(tensors):
         return torch._foreach_norm(tensors, 2, dtype=torch.float32)
     except TypeError:  # older torch without the dtype argument
         return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+
+
+def report(methods, timed: il.Rounds, elements: int) -> list[str]:
+    """The table and the targets, from ``timed``'s rows named "<method>, <launch>"."""
+    lines = ["| method | launch | ms / pass | B/elem | GB/s | of copy GB/s | speedup vs torch "
+             "pair |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    copy_bytes = methods[0][2]
+    for name, _, bytes_per_elem in methods:
+        for mode in ("eager", "graph"):
+            row = f"{name}, {mode}"
+            sec = timed.median(row)
+            # the row's GB/s over the copy's in each round: its bytes over the copy's, times
+            # the copy's seconds over its own
+            of_copy = bytes_per_elem / copy_bytes * timed.ratio(f"D2D copy, {mode}", row)
+            speedup = timed.ratio(f"torch pair, {mode}", row)
+            lines.append(f"| {name} | {mode} | {sec * 1e3:.3f} | {bytes_per_elem} | "
+                         f"{bytes_per_elem * elements / sec / 1e9:,.0f} | {of_copy:.2f} | "
+                         f"{speedup:.2f}x |")
+    ours_bytes = methods[1][2]
+    for mode in ("eager", "graph"):
+        row = f"ours, {mode}"
+        lines.append(f"\ntargets ({mode}): ours {timed.ratio(f'torch pair, {mode}', row):.2f}x "
+                     f"the torch pair (want >= 1.5x), "
+                     f"{ours_bytes / copy_bytes * timed.ratio(f'D2D copy, {mode}', row):.2f} "
+                     "of copy GB/s (want >= 0.8)")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -113,33 +145,23 @@ def main(argv=None) -> int:
 
     methods = [("D2D copy", copy, 2 * esize), ("ours", ours, esize),
                ("ours+out", ours_out, esize + 4), ("torch pair", torch_pair, 3 * esize)]
-    rows = {}
-    for name, fn, bytes_per_elem in methods:
+    rows = []
+    for name, fn, _ in methods:
         for mode, run in (("eager", fn), ("graph", graphed(fn))):
-            sec = time_pass(run, passes=args.passes, samples=args.samples)
-            rows[name, mode] = (sec, bytes_per_elem * args.elements / sec / 1e9)
+            rows.append((f"{name}, {mode}", il.SelfTimed(
+                lambda run=run: sample(run, args.passes))))
+    torch.cuda.synchronize()  # the graphs' warm-ups ran on a side stream
+    timed = il.interleave(rows, args.samples)
 
     props = torch.cuda.get_device_properties(dev)
     print(f"## bench_scaling: {props.name} ({props.multi_processor_count} SMs), torch "
           f"{torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}\n")
     print(f"{args.elements:,} {args.dtype} elements in {len(buckets)} buckets of "
-          f"{args.bucket:,}; median of {args.samples} samples of {args.passes} passes. "
+          f"{args.bucket:,}; {args.samples} rounds, each timing one sample of {args.passes} "
+          "passes of every row, the order rotating: medians over rounds, of per-round ratios. "
           f"GB/s counts bytes read + written; sum-of-squares agreement ours vs torch: "
           f"{rel:.1e} relative.\n")
-    print("| method | launch | ms / pass | B/elem | GB/s | of copy GB/s | speedup vs torch pair |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, _, bytes_per_elem in methods:
-        for mode in ("eager", "graph"):
-            sec, gbs = rows[name, mode]
-            copy_gbs = rows["D2D copy", mode][1]
-            speedup = rows["torch pair", mode][0] / sec
-            print(f"| {name} | {mode} | {sec * 1e3:.3f} | {bytes_per_elem} | {gbs:,.0f} | "
-                  f"{gbs / copy_gbs:.2f} | {speedup:.2f}x |")
-    for mode in ("eager", "graph"):
-        sec, gbs = rows["ours", mode]
-        print(f"\ntargets ({mode}): ours {rows['torch pair', mode][0] / sec:.2f}x the torch "
-              f"pair (want >= 1.5x), {gbs / rows['D2D copy', mode][1]:.2f} of copy GB/s "
-              f"(want >= 0.8)")
+    print("\n".join(report(methods, timed, args.elements)))
     return 0
 
 

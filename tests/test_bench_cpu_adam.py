@@ -1,6 +1,7 @@
 """The CPU-Adam benchmarks at tiny sizes: bench_cpu_adam.py prints every row once per thread
-count, with the bytes per param each path moves; bench_kernel_loop.py builds its C driver and
-times every state."""
+count, with the bytes per param each path moves and its ratios to each reference, timed in
+rounds (scripts/_interleave.py, tested in test_bench_interleave.py); bench_kernel_loop.py builds
+its C driver and times every state."""
 
 import re
 import runpy
@@ -19,8 +20,27 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert bench["main"](argv) == 0
     finally:
         torch.set_num_threads(threads)  # main() sets it per row
+    out = capsys.readouterr().out
+    assert "Rounds per block: 1, each timing every row once, the order rotating" in out
+    header = next(line for line in out.splitlines() if line.startswith("| params |"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    refs = {"vs torch fused": "torch AdamW(fused) fp32", "vs torch composed":
+            "torch composed 16-bit", "vs fp32 state": "ours fp32 state, out over grads"}
+    if "deepspeed not installed" not in out:
+        refs["vs DeepSpeed"] = "DeepSpeedCPUAdam fp32"
+    assert cols[7:] == ["of ceiling"] + [c for c in cols[8:] if c in refs]
+    assert sorted(cols[8:]) == sorted(refs)
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+             if line.startswith("| 0.004M |")]
+    assert all(len(r) == len(cols) for r in table)
+    for r in table:  # each reference against itself, in the same round: exactly 1
+        if r[2] == "ceiling (read 4, write 3)":
+            assert r[7] == "1.00"
+        for col, ref in refs.items():
+            if r[2] == ref:
+                assert r[cols.index(col)] == "1.00", (col, r)
     rows = re.findall(r"^\| 0\.004M \| (\d) \| ([^|]+?) \| ([\d.]+) \| [\d.]+ \|",
-                      capsys.readouterr().out, re.M)
+                      out, re.M)
     for threads in ("1", "2"):
         got = {name: float(nbytes) for t, name, nbytes in rows if t == threads}
         assert list(got)[0] == "ceiling (read 4, write 3)"
