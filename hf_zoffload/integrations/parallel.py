@@ -35,18 +35,22 @@ import torch.distributed as dist
 import transformers
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import DistributedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 try:
-    # transformers.distributed.tensor_parallel is new in 5.16 (5.15 and before have another
-    # API in transformers.integrations.tensor_parallel); replace_layer_number_by_wildcard is
-    # importable from it in 5.16 to 5.24 (defined there until 5.23, re-exported in 5.24).
+    # transformers.distributed.tensor_parallel is new in 5.16.0 (5.15 and before have
+    # another API, in transformers.integrations.tensor_parallel), transformers'
+    # DistributedConfig in 5.16.1 (before, only transformers.distributed's). In 5.16
+    # to 5.24 replace_layer_number_by_wildcard can be imported from
+    # transformers.distributed.tensor_parallel (defined there until 5.22, imported there
+    # from transformers.distributed.parallel_utils in 5.23 and 5.24).
+    from transformers import DistributedConfig
     from transformers.distributed.tensor_parallel import (
         apply_tensor_parallelism,
         replace_layer_number_by_wildcard,
     )
 except ImportError as e:
-    raise ImportError(f"hf_zoffload needs transformers>=5.17 (its tensor-parallel API in "
+    raise ImportError(f"hf_zoffload needs transformers>=5.17 (its DistributedConfig and "
                       f"transformers.distributed.tensor_parallel); transformers "
                       f"{transformers.__version__} is installed") from e
 
