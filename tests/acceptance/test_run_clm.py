@@ -229,8 +229,16 @@ def _same_run(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert eval2["eval_loss"] == pytest.approx(eval1["eval_loss"], rel=1e-5)
-    # each rank holds its shards' host state: about half (the norms are whole)
-    assert 0.45 * host1 < host2 < 0.55 * host1
+    # each rank holds its shards' host state: about half. The norms are whole, and so is the
+    # embedding where the model's plan leaves it whole (5.17's Llama plan does, 5.21 on shard
+    # it): by param count a rank holds 0.501 of one process's, or 0.550 (the embedding is
+    # 9,600 of 97,184 params; LlamaConfig's head_dim of 128 stays with hidden_size=32).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300)
+    config.update_from_string(LLAMA)
+    shards_embedding = "model.embed_tokens" in LlamaForCausalLM(config).tp_plan
+    assert 0.45 * host1 < host2 < (0.55 if shards_embedding else 0.6) * host1
 
 
 @pytest.mark.slow

@@ -216,14 +216,20 @@ def test_gpu_memory_without_a_unit_is_refused(capsys):
 
 
 def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
-    """A tiny Llama under its own tp plan: the embedding, lm_head and every projection are
-    sharded, the norms replicated; each of tp ranks holds sharded / tp + replicated."""
+    """A tiny Llama under its own tp plan: lm_head and every projection are sharded, and
+    the embedding where the plan names it (transformers 5.21 on; 5.17's Llama plan leaves it
+    whole), the norms replicated; each of tp ranks holds sharded / tp + replicated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")
     tiny = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
             "num_key_value_heads=4,head_dim=16,vocab_size=1000")
-    # embed 1000*64 + lm_head 1000*64 + 2 layers * (4 * 64*64 + 3 * 64*128)
-    sharded = 64_000 + 64_000 + 2 * (4 * 4096 + 3 * 8192)
-    replicated = 2 * 2 * 64 + 64  # two norms per layer, the final norm
+    config = LlamaConfig()
+    config.update_from_string(tiny)
+    embed = 64_000 if "model.embed_tokens" in LlamaForCausalLM(config).tp_plan else 0
+    # lm_head 1000*64 + 2 layers * (4 * 64*64 + 3 * 64*128), the embedding 1000*64 or not
+    sharded = 64_000 + 2 * (4 * 4096 + 3 * 8192) + embed
+    replicated = 2 * 2 * 64 + 64 + 64_000 - embed  # two norms per layer, the final norm
     r = _json(capsys, "--model_type", "llama", "--config_overrides", tiny, "--tp_size", "2",
               "--num_gpus", "4", "--compute_dtype", "bf16")
     per_rank = sharded // 2 + replicated

@@ -15,6 +15,7 @@ import os
 import sys
 
 import accelerate
+import pytest
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
@@ -30,6 +31,7 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
     get_scheduler,
 )
 
@@ -40,6 +42,7 @@ from hf_zoffload import (  # noqa: E402
     ZeroOffloadPlugin,
     prepare_zero_offload,
 )
+from hf_zoffload.integrations import parallel  # noqa: E402
 from hf_zoffload.integrations.parallel import ParallelismConfig  # noqa: E402
 from hf_zoffload.integrations.trainer import (  # noqa: E402
     ZeroOffloadTrainer,
@@ -212,6 +215,59 @@ def refusals(out: str, *, tp: int, dp: int = 1) -> dict:
                                                               ColwiseParallel()})
     out_["no_config"] = (_refused(no_parallelism_config), True)
     return out_
+
+
+def as_before_5_23(mp: pytest.MonkeyPatch) -> None:
+    """Make the installed transformers look like 5.16 to 5.18 to parallel.py: no
+    ``_resolve_parallel_plans``, and an ``apply_tensor_parallelism(model, tp_mesh)`` that
+    shards by the model's own plan. Nothing to change where it is such a version."""
+    owner = next((c for c in PreTrainedModel.__mro__ if "_resolve_parallel_plans" in vars(c)),
+                 None)
+    if owner is None:
+        return
+    resolve, apply = owner._resolve_parallel_plans, parallel.apply_tensor_parallelism
+
+    def apply_by_the_models_plan(model, tp_mesh):
+        plan, _, _ = resolve(model, DistributedConfig(tp_size=tp_mesh.size()))
+        return apply(model, tp_mesh, plan)
+
+    mp.delattr(owner, "_resolve_parallel_plans")
+    mp.setattr(parallel, "apply_tensor_parallelism", apply_by_the_models_plan)
+
+
+def forms(out: str, *, tp: int, dp: int = 1) -> dict:
+    """`parallel.shard_model` through the installed transformers' tensor-parallel API and
+    through it made to look like 5.16 to 5.18 (`as_before_5_23`): for each, every param's
+    kind, placements and local part, the logits of one batch, and the params whose old
+    object the returned map takes to the new one; and the message when the API shards
+    nothing of the plan."""
+    assert dp == 1
+    mesh = init_device_mesh("cpu", (tp,))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for form in ("installed", "before_5_23"):
+        with pytest.MonkeyPatch.context() as mp:
+            if form == "before_5_23":
+                as_before_5_23(mp)
+            model = llama()
+            old = dict(model.named_parameters())
+            replaced = parallel.shard_model(model, mesh)
+        now = dict(model.named_parameters())
+        got[form] = {
+            "params": {n: (type(p).__name__, str(getattr(p, "placements", "")),
+                           (p.to_local() if isinstance(p, DTensor) else p).detach().clone())
+                       for n, p in now.items()},
+            "logits": model(input_ids=ids).logits.detach(),
+            "map": sorted(n for n, p in old.items() if replaced.get(id(p)) is now[n]),
+            "map_size": len(replaced)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parallel, "apply_tensor_parallelism", lambda model, tp_mesh: model)
+        try:
+            parallel.shard_model(llama(), mesh)
+            got["unknown_api"] = ""
+        except RuntimeError as e:
+            got["unknown_api"] = str(e)
+    return got
 
 
 def main(out: str, jobs: str, tp: str) -> None:
