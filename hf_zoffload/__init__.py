@@ -10,13 +10,18 @@ __version__ = "0.1.0"
 
 # Public names, resolved lazily so that `import hf_zoffload` does not import
 # transformers or triton (about 3 s on 2 cores) for users of the bare optimizer.
+# What users reach for: the three ways in (Trainer, Accelerate, a plain loop), the settings,
+# the parallelism config the integrations take, and the memory estimator. Internals (the
+# loss scaler, the exchanges) stay in their modules.
 _EXPORTS = {
     "CPUAdam": "hf_zoffload.optim.cpu_adam",
-    "DynamicLossScaler": "hf_zoffload.optim.loss_scaler",
+    "ParallelismConfig": "hf_zoffload.integrations.parallel",
     "ZeroOffloadPlugin": "hf_zoffload.config",
     "ZeroOffloadOptimizer": "hf_zoffload.offload.engine",
     "ZeroOffloadTrainingArguments": "hf_zoffload.integrations.trainer",
     "ZeroOffloadTrainer": "hf_zoffload.integrations.trainer",
+    "estimate": "hf_zoffload.offload.memory",
+    "format_report": "hf_zoffload.offload.memory",
     "prepare_zero_offload": "hf_zoffload.integrations.accelerate",
 }
 

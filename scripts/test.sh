@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Set up .venv from scratch (or refresh it) and run the test suite.
-# Exits non-zero on any failure, and when no test was collected.
+#   bash scripts/test.sh            # every test (what CI runs)
+#   bash scripts/test.sh --fast     # every test not marked `slow` (the developers' tier)
+#   bash scripts/test.sh [--fast] PYTEST_ARGS...   # e.g. tests/offload -k relayout
+# Prints the 15 slowest tests at the end. Exits non-zero on any failure, and when no test was
+# collected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    tier=(-m "not slow")
+fi
 source scripts/_setup_env.sh
 set +e
-python -m pytest "$@"
+python -m pytest --durations=15 ${tier[@]+"${tier[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
