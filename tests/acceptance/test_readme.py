@@ -1,5 +1,6 @@
-"""Every fenced snippet of README.md runs here, as written (issue 15: the README's snippets
-cannot drift). A new snippet fails `test_every_snippet_has_a_runner` until it gets one."""
+"""Every fenced snippet of README.md and of the docs/ pages it links runs here, as written
+(issue 15: the snippets cannot drift). A new snippet fails `test_every_snippet_has_a_runner`
+until it gets one."""
 
 import os
 import re
@@ -18,17 +19,19 @@ FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 
 
 def snippets() -> list[tuple[str, str]]:
-    return FENCE.findall((ROOT / "README.md").read_text())
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [found for page in pages for found in FENCE.findall(page.read_text())]
 
 
 def _find(lang: str, needle: str) -> str:
     found = [code for kind, code in snippets() if kind == lang and needle in code]
-    assert len(found) == 1, f"README: one {lang} snippet with {needle!r}, found {len(found)}"
+    assert len(found) == 1, f"docs: one {lang} snippet with {needle!r}, found {len(found)}"
     return found[0]
 
 
 # (language, a text that identifies the snippet) -> the test that runs it
 RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
+           ("bash", "pip install ."): "test_install_snippet",
            ("python", "ZeroOffloadTrainer("): "test_trainer_snippet",
            ("bash", "scripts/run_clm.py"): "test_run_clm_snippet",
            ("diff", "prepare_zero_offload"): "test_accelerate_snippet",
@@ -66,6 +69,36 @@ def test_setup_lines():
     assert installs
     for i in installs:  # each quiet pip step is announced on the line before it
         assert setup[i - 1].lstrip().startswith('echo "[setup'), setup[i - 1]
+
+
+@pytest.mark.slow
+def test_install_snippet(tmp_path):
+    """The install lines as written, in a new venv that sees this environment's packages
+    (PYTHONPATH: torch and the dependencies are found, not downloaded again), on a copy of
+    the repository: the package lands in the new venv, its kernel compiled, and imports from
+    there."""
+    import shutil
+    import site
+
+    code = _find("bash", "pip install .")
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "outputs", "*.so", "*.egg-info", "__pycache__", "wheels"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=os.pathsep.join(site.getsitepackages()), PIP_NO_INPUT="1")
+    for line in code.strip().splitlines():
+        command = line.split("#")[0].strip()
+        proc = subprocess.run(command, shell=True, cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import hf_zoffload.ops._native as n; n.ext(); "
+         "print(n.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120)
+    assert where.returncode == 0, where.stderr[-2000:]
+    assert str(venv) in where.stdout, where.stdout  # the installed copy, not the checkout
 
 
 @pytest.fixture
