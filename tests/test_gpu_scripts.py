@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,6 +256,54 @@ def test_run_clm_args_differ_only_by_zero_offload():
     assert ours == stock + ["--zero_offload"] and "--bf16" in stock
     args = gpu_clm_compare.parse_args(["--child", "r.json", "--", *ours])
     assert args.child == "r.json" and args.run_clm_args[1:] == ours
+
+
+# Each stand-in run marks that it started, waits (up to argv[3] s) for the other's mark, then
+# writes its result: both succeed only when they run at the same time.
+_MEETING_RUN = """
+import json, os, sys, time
+res, other = sys.argv[1], sys.argv[2]
+open(res + ".started", "w").close()
+t_end = time.monotonic() + float(sys.argv[3])
+while not os.path.exists(other + ".started"):
+    if time.monotonic() > t_end:
+        sys.exit(7)
+    time.sleep(0.05)
+print("run output of", os.path.basename(res))
+json.dump({"losses": [[1, 2.0], [2, 1.0]]}, open(res, "w"))
+"""
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_run_pair_parallel_runs_both_at_once(tmp_path, monkeypatch, capsys, parallel):
+    def command(name, result, *, use_datasets, **kwargs):
+        other = "zero_offload" if name == "stock" else "stock"
+        return [sys.executable, "-c", _MEETING_RUN, result,
+                os.path.join(os.path.dirname(result), f"{other}.json"),
+                "30" if parallel else "1"]
+
+    monkeypatch.setattr(gpu_clm_compare, "child_command", command)
+    results, failures = gpu_clm_compare.run_pair(str(tmp_path), use_datasets=False,
+                                                 timeout=60, parallel=parallel)
+    if parallel:
+        assert failures == [] and sorted(results) == ["stock", "zero_offload"]
+        out = capsys.readouterr().out  # each run's output, after both ended, under its name
+        assert "== stock's output\nrun output of stock.json" in out
+        assert "== zero_offload's output\nrun output of zero_offload.json" in out
+    else:  # one after the other: the first waits in vain for a run not started yet
+        assert failures == ["stock: run_clm exited 7"] and list(results) == ["zero_offload"]
+
+
+def test_child_command_runs_this_script_with_the_run_clm_args(tmp_path):
+    kw = dict(steps=5, overrides="x=1", block_size=16, batch=2, lr=1e-3, seed=1,
+              logging_steps=1)
+    cmd = gpu_clm_compare.child_command("zero_offload", str(tmp_path / "zero_offload.json"),
+                                        use_datasets=False, **kw)
+    assert cmd[:6] == [sys.executable, gpu_clm_compare.__file__, "--child",
+                       str(tmp_path / "zero_offload.json"), "--no_datasets", "--"]
+    assert cmd[6:] == gpu_clm_compare.run_clm_args(str(tmp_path / "zero_offload"),
+                                                   offload=True, **kw)
+    assert gpu_clm_compare.parse_args(["--parallel"]).parallel
 
 
 def test_llama_config_is_about_100m_params():
