@@ -28,6 +28,7 @@ import _gpu_common as common  # noqa: E402
 import gpu_clm_compare  # noqa: E402
 import gpu_host_memory  # noqa: E402
 import gpu_nccl_one_rank  # noqa: E402
+import gpu_peers  # noqa: E402
 import gpu_practicality  # noqa: E402
 import gpu_race  # noqa: E402
 import gpu_size  # noqa: E402
@@ -35,7 +36,7 @@ import gpu_size  # noqa: E402
 from tests._env import cpu_only_env  # noqa: E402
 
 GPU_SCRIPTS = ["gpu_race.py", "gpu_nccl_one_rank.py", "gpu_host_memory.py",
-               "gpu_clm_compare.py", "gpu_size.py", "gpu_practicality.py"]
+               "gpu_clm_compare.py", "gpu_size.py", "gpu_practicality.py", "gpu_peers.py"]
 
 
 # ------------------------------------------------------------------ without CUDA
@@ -59,7 +60,8 @@ def test_each_gpu_script_runs_main_as_a_script(name):
 
 
 @pytest.mark.parametrize("module", [gpu_race, gpu_nccl_one_rank, gpu_host_memory,
-                                    gpu_clm_compare, gpu_size, gpu_practicality])
+                                    gpu_clm_compare, gpu_size, gpu_practicality,
+                                    gpu_peers])
 def test_help_and_in_process_refusal(module, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         module.parse_args(["--help"])
