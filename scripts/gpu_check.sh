@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine, run with the interpreter found there, installing nothing:
-#   bash scripts/gpu_check.sh            # uses python3 on PATH; PYTHON=/path/to/python overrides
+#   bash scripts/gpu_check.sh                      # python3 on PATH; PYTHON=/path overrides
+#   bash scripts/gpu_check.sh --only race,size     # env, cuda, then only these stages
 # Stages, each with its own timeout (the list is at the end of this file): env (nvidia-smi,
 # versions), cuda (torch.cuda.is_available() and one kernel; when it fails nothing else runs),
-# build (the CPU-Adam extension, in place), gpu_tests (pytest -m gpu with
-# HF_ZOFFLOAD_REQUIRE_GPU=1: a skipped gpu test fails, and so does collecting none), the
-# engine checks (scripts/gpu_race.py, also under torch's CUDA stream sanitizer;
-# scripts/gpu_nccl_one_rank.py; scripts/gpu_host_memory.py), run_clm.py with and without
-# --zero_offload (scripts/gpu_clm_compare.py), then the GPU benchmarks and the CPU-Adam
-# benchmark on the host CPU (scripts/bench_cpu_adam.py). Every stage runs even
+# build (the CPU-Adam extension, in place), kernel_tests (the CPU-Adam's tests on this host's
+# CPU, native and portable builds), gpu_tests (pytest -m gpu with HF_ZOFFLOAD_REQUIRE_GPU=1: a
+# skipped gpu test fails, and so does collecting none), the engine checks
+# (scripts/gpu_race.py, also under torch's CUDA stream sanitizer; scripts/gpu_nccl_one_rank.py;
+# scripts/gpu_host_memory.py), run_clm.py with and without --zero_offload
+# (scripts/gpu_clm_compare.py); then the measured stages: size (scripts/gpu_size.py),
+# practicality (scripts/gpu_practicality.py), peers (scripts/gpu_peers.py: torchao from
+# wheels/, see scripts/gpu_wheels.sh), bench_scaling and bench_cpu_adam. Every stage runs even
 # after an earlier one failed; the exit status is non-zero if any failed. The whole run stays
-# within GPU_CHECK_BUDGET_S (540 s): a stage gets what is left of it when that is less than its
-# own timeout.
+# within GPU_CHECK_BUDGET_S (300 s): a stage gets what is left of it when that is less than
+# its own timeout, and sees its limit as GPU_CHECK_STAGE_S.
+#
+# --only NAME,... runs env and cuda, then only the stages named, in this file's order (an
+# unknown name is an error naming the stages, before anything runs). A later stage may need
+# an earlier one's work: the in-place build (build), practicality's figures (peers).
 #
 # Output ($OUT, default outputs/gpu_check), at most 5 files, since a device machine brings back
 # 8: summary.md (rewritten after every stage: versions, a pass/fail/timeout table, each stage's
@@ -21,12 +28,64 @@
 # with "summary: " (prefix dropped) go to summary.md under the stage's name; the benchmarks,
 # which print markdown tables, contribute their table lines instead.
 #
-# To add a check, add a `stage NAME TIMEOUT_S CMD...` line below. CMD is a program with its
-# arguments, or a shell function defined in this file (it runs under bash -c, so it sees only
-# exported variables: ROOT, OUT, PY, SCRATCH). Keep the sum of the timeouts within the budget,
-# with about 30 s to spare; write nothing else into $OUT (SCRATCH is a scratch folder, removed
-# at the end).
+# To add a check, add a `stage NAME TIMEOUT_S CMD...` line below and NAME to STAGES. CMD is a
+# program with its arguments, or a shell function defined in this file (it runs under bash
+# -c, so it sees only exported variables and functions: ROOT, OUT, PY, SCRATCH). Keep the sum
+# of the timeouts within the budget, with about 25 s to spare; write nothing else into $OUT
+# (SCRATCH is a scratch folder, removed at the end).
 set -uo pipefail
+# Every stage, in the order of the stage lines at the end of this file.
+STAGES=(env cuda build kernel_tests gpu_tests race race_sanitizer nccl_one_rank host_memory
+        run_clm size practicality peers bench_scaling bench_cpu_adam)
+ONLY=""  # " env cuda NAME ... " with --only; empty: every stage
+
+usage() {
+    echo "usage: bash scripts/gpu_check.sh [--only STAGE,...]"
+    echo "stages: $(echo "${STAGES[*]}" | sed 's/ /, /g')"
+}
+
+choose() {  # choose LIST: the comma-separated stages of --only, checked against STAGES
+    local name names=() unknown=()
+    IFS=, read -r -a names <<<"$1"
+    for name in ${names[@]+"${names[@]}"}; do
+        [ -n "$name" ] || continue
+        if [[ " ${STAGES[*]} " == *" $name "* ]]; then
+            ONLY+=" $name"
+        else
+            unknown+=("'$name'")
+        fi
+    done
+    if [ "${#unknown[@]}" -gt 0 ]; then
+        echo "gpu_check.sh: unknown stage(s) in --only: ${unknown[*]}; the stages:" \
+            "$(echo "${STAGES[*]}" | sed 's/ /, /g')" >&2
+        exit 2
+    fi
+    if [ -z "$ONLY" ]; then
+        echo "gpu_check.sh: --only needs at least one stage name" >&2
+        usage >&2
+        exit 2
+    fi
+}
+
+chosen() {  # the stages --only chose, in the order they run
+    local name out=()
+    for name in "${STAGES[@]}"; do
+        [[ "$ONLY" == *" $name "* ]] && out+=("$name")
+    done
+    echo "${out[*]}"
+}
+
+while [ "$#" -gt 0 ]; do
+    case "$1" in
+        --only) [ "$#" -ge 2 ] || { echo "gpu_check.sh: --only needs a value" >&2; exit 2; }
+                choose "$2"; shift 2;;
+        --only=*) choose "${1#--only=}"; shift;;
+        -h|--help) usage; exit 0;;
+        *) echo "gpu_check.sh: unknown argument '$1'" >&2; usage >&2; exit 2;;
+    esac
+done
+[ -z "$ONLY" ] || ONLY=" env cuda$ONLY "  # env and cuda always run
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/outputs/gpu_check}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)" || exit 2
@@ -41,7 +100,7 @@ export PYTHONUNBUFFERED=1
 export HF_ZOFFLOAD_REQUIRE_GPU=1  # tests/conftest.py: a skipped gpu test is a failure
 unset TRITON_INTERPRET            # the compiled kernels are what is checked here
 
-BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-300}"
 KILL_GRACE=5    # seconds between timeout's TERM and its KILL
 STATUS=0        # 1 once any stage did not pass
 ROWS=()         # summary table rows
@@ -49,7 +108,7 @@ DONE=()         # names of the stages run, in order
 FAILED=()       # "name|result" of each stage that did not pass
 NOTE=""         # a line for the top of the summary
 OWN_LOG=" env cuda "                     # stages whose log stays a file of its own in $OUT
-TABLES=" bench_scaling bench_offload bench_cpu_adam "  # stages whose markdown tables are figures
+TABLES=" bench_scaling bench_cpu_adam "  # stages whose markdown tables are figures
 
 info() {  # info KEY: the value of an "info KEY: value" line printed by the env or cuda stage
     local value
@@ -76,6 +135,7 @@ write_summary() {
         echo "- host CPU: $(info cpu)"
         echo "- host: $(hostname 2>/dev/null), $(nproc 2>/dev/null) CPUs; $(date -u +%FT%TZ);" \
              "${SECONDS} s of a ${BUDGET_S} s budget"
+        [ -z "$ONLY" ] || echo "- stages: only $(chosen | sed 's/ /, /g') (--only)"
         [ -z "$NOTE" ] || echo "- **$NOTE**"
         echo
         echo "| stage | result | seconds | timeout (s) | log |"
@@ -117,6 +177,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run CMD under timeout, output to $OUT/
     # while it runs (finish_log then moves it into logs.txt, unless it is env or cuda)
     local name=$1 limit=$2 asked=$2 rc result t0 secs
     shift 2
+    [ -z "$ONLY" ] || [[ "$ONLY" == *" $name "* ]] || return 0  # not chosen with --only
     local left=$((BUDGET_S - SECONDS - KILL_GRACE))
     [ "$limit" -le "$left" ] || limit=$left
     local log="$OUT/$name.log"
@@ -134,7 +195,8 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run CMD under timeout, output to $OUT/
         # timeout kills the command's whole process group. It runs in the background so that
         # a signal to this script is handled at once (interrupted, below); the subshell gives
         # it back the SIGINT that bash takes from background commands.
-        (trap - INT QUIT; exec timeout -k "$KILL_GRACE" "$limit" "$@") >>"$log" 2>&1 </dev/null &
+        (trap - INT QUIT; export GPU_CHECK_STAGE_S=$limit
+         exec timeout -k "$KILL_GRACE" "$limit" "$@") >>"$log" 2>&1 </dev/null &
         STAGE_PID=$! STAGE_NAME=$name STAGE_T0=$t0 STAGE_LIMIT=$asked
         wait "$STAGE_PID"
         rc=$?
@@ -273,34 +335,50 @@ race_sanitizer() {
 }
 
 echo "gpu_check: python $PY; logs and summary.md in $OUT"
-stage env 10 env_info
-if ! stage cuda 30 cuda_check; then
+stage env 6 env_info
+if ! stage cuda 12 cuda_check; then
     NOTE="no CUDA device available to $PY (see cuda.log); nothing after the cuda stage was run"
     write_summary
     echo "gpu_check: FAIL: $NOTE" >&2
     tail -n 3 "$OUT/cuda.log" >&2
     exit 1
 fi
-# Timeouts, env and cuda included, sum to 505 s of the 540 s budget. They are estimates for
-# one H200, not yet measured: each Python stage spends ~5 s importing torch (and transformers);
-# Triton compiles the check kernel per dtype once per machine (later stages reuse its cache).
-stage build 35 "$PY" setup.py build_ext --inplace --force  # 13 s on the 2-vCPU VM
-stage gpu_tests 110 gpu_tests
-stage race 45 "$PY" scripts/gpu_race.py
-stage race_sanitizer 40 race_sanitizer
-stage nccl_one_rank 30 "$PY" scripts/gpu_nccl_one_rank.py
-stage host_memory 20 "$PY" scripts/gpu_host_memory.py
-stage run_clm 85 "$PY" scripts/gpu_clm_compare.py --run_timeout 60
-# 250M fp16 elements: 10 buckets of the default 25M instead of 40. Per-bucket costs (launch,
-# read) and so every ratio in the table stay the same; allocation and timing take a quarter.
-stage bench_scaling 25 "$PY" scripts/bench_scaling.py --elements 250000000
-stage bench_offload 55 "$PY" scripts/bench_offload.py --device cuda
+# Timeouts, env and cuda included, sum to 276 s of the 300 s budget (24 s spare: the kill
+# grace and a slow start). They are estimates for one H200, not yet measured: each Python
+# stage spends ~3-5 s importing torch (and transformers); Triton compiles each kernel once per
+# machine (later stages reuse its cache). Correctness first, measurements last.
+stage build 18 "$PY" setup.py build_ext --inplace --force  # 8-13 s on the 2-vCPU VM
+stage kernel_tests 25 bash scripts/gpu_kernel_tests.sh
+stage gpu_tests 30 gpu_tests  # 27 tests; collecting the suite took 6 s on the VM
+# 6 steps, not 8: the delayed update starts at step 2 and the fp16 overflow is at step 3, so
+# every configuration still crosses both; each step is ~10 copies delayed ~1 ms.
+stage race 15 "$PY" scripts/gpu_race.py --steps 6
+stage race_sanitizer 20 race_sanitizer
+# 4 steps, not 6: the overflow is at step 2 and steps 2-3 are delayed; 2 more after loading.
+stage nccl_one_rank 11 "$PY" scripts/gpu_nccl_one_rank.py --steps 4
+stage host_memory 9 "$PY" scripts/gpu_host_memory.py
+# Both runs at once, each its own process (own peak memory; the same seed and losses): one
+# run's imports, tokenizer and 50 steps (~15 s, estimated) instead of two after each other.
+stage run_clm 25 "$PY" scripts/gpu_clm_compare.py --parallel --run_timeout 20
+# 9 GiB: AMP AdamW is predicted to fit 1 layer of 4096 (0.46B params: 8.5 GiB at 18 B/param
+# and 0.75 GiB beside) and not 2 (11.9 GiB); zoffload 20 (4.3B), whose fp32-state probe
+# (59 GiB of host) and the next rung's int8 one (37 GiB) fit the 128 GiB host at once: one
+# round, ~25 s estimated. At 16 GiB the two would need 175 GiB, one after the other.
+stage size 40 "$PY" scripts/gpu_size.py --cap_gib 9
+# These two replace bench_offload.py --device cuda (the same ways on GPT-2-124M, 55 s): on a
+# 1.1B model the CPU-Adam's share of a step is what a user of offload meets.
+stage practicality 28 "$PY" scripts/gpu_practicality.py --json "$SCRATCH/practicality.json"
+stage peers 18 "$PY" scripts/gpu_peers.py --wheels "$ROOT/wheels" \
+    --against "$SCRATCH/practicality.json"
+# 100M fp16 elements: 4 buckets of the default 25M instead of 40. Per-bucket costs (launch,
+# read) and so every ratio in the table stay the same; allocation and timing take a tenth.
+stage bench_scaling 7 "$PY" scripts/bench_scaling.py --elements 100000000
 # Last, so it never takes time from a GPU check: the CPU-Adam on the host CPU, another x86 than
 # the development VM (often with AVX-512: issue 12 asks for >= 0.90 of the ceiling there too).
 # 10M params (280 MB a pass in fp32, past most L3s), 1 thread and all of them, one int8 block
-# size: 15 s on the 2-vCPU VM, 5 s of it importing DeepSpeed, which the device lacks.
-stage bench_cpu_adam 20 "$PY" scripts/bench_cpu_adam.py --sizes 10M --threads "1,$(nproc)" \
-    --repeats 5 --qblocks 256
+# size, 3 timed calls a row: 10.0 s on the 2-vCPU VM (without DeepSpeed, as there).
+stage bench_cpu_adam 12 "$PY" scripts/bench_cpu_adam.py --sizes 10M --threads "1,$(nproc)" \
+    --repeats 3 --qblocks 256
 write_summary
 cat "$OUT/summary.md"
 echo "gpu_check: $([ "$STATUS" -eq 0 ] && echo PASS || echo FAIL); summary in $OUT/summary.md"

@@ -3,10 +3,11 @@
 
 Trains a ~100M-parameter Llama from a config (12 layers of width 768) for --steps steps on
 run_clm's built-in corpus (the standard library's sources, a tokenizer trained on them), the
-same command once with and once without ``--zero_offload``, each in its own process and with
-the same seed. Passes when the final logged loss (the mean of the last --logging_steps steps)
-of the two runs is within --max_rel (1%) and both runs' loss fell; prints both losses and
-both runs' peak device memory (``torch.cuda.max_memory_allocated()``) as ``summary:`` lines.
+same command once with and once without ``--zero_offload``, each in its own process (one
+after the other, or both at once with ``--parallel``) and with the same seed. Passes when the
+final logged loss (the mean of the last --logging_steps steps) of the two runs is within
+--max_rel (1%) and both runs' loss fell; prints both losses and both runs' peak device memory
+(``torch.cuda.max_memory_allocated()``) as ``summary:`` lines.
 
 The stock Trainer keeps fp32 weights under bf16 autocast; ZeRO-Offload keeps bf16 weights on
 the device and fp32 master weights on the host. The runs therefore differ by bf16 roundings
@@ -172,27 +173,53 @@ def run_clm_args(output_dir: str, *, offload: bool, steps: int, overrides: str,
     return args
 
 
-def run_pair(work: str, *, use_datasets: bool, timeout: float, **kwargs) -> tuple[dict, list]:
-    """Both runs, one after the other, each in a process of its own (its own peak memory).
-    Returns ({"stock": result, "zero_offload": result}, failures)."""
-    results, failures = {}, []
-    for name, offload in (("stock", False), ("zero_offload", True)):
-        out, res = os.path.join(work, name), os.path.join(work, f"{name}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", res,
-               *(["--no_datasets"] if not use_datasets else []), "--",
-               *run_clm_args(out, offload=offload, **kwargs)]
+def child_command(name: str, result: str, *, use_datasets: bool, **kwargs) -> list[str]:
+    """The command line of one run (this script with --child)."""
+    return [sys.executable, os.path.abspath(__file__), "--child", result,
+            *(["--no_datasets"] if not use_datasets else []), "--",
+            *run_clm_args(os.path.join(os.path.dirname(result), name),
+                          offload=name == "zero_offload", **kwargs)]
+
+
+def run_pair(work: str, *, use_datasets: bool, timeout: float, parallel: bool = False,
+             **kwargs) -> tuple[dict, list]:
+    """Both runs, each in a process of its own (its own peak memory): one after the other, or
+    with ``parallel`` both at once, their output then kept in work/NAME.log and printed after
+    both ended. Returns ({"stock": result, "zero_offload": result}, failures)."""
+    results, failures, started = {}, [], []
+    for name in ("stock", "zero_offload"):
+        res = os.path.join(work, f"{name}.json")
+        cmd = child_command(name, res, use_datasets=use_datasets, **kwargs)
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        try:
-            rc = subprocess.run(cmd, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            failures.append(f"{name}: still running after {timeout:.0f} s")
-            continue
-        if rc != 0 or not os.path.exists(res):
-            failures.append(f"{name}: run_clm exited {rc}")
-            continue
+        log = open(os.path.join(work, f"{name}.log"), "w") if parallel else None
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+        started.append((name, proc, res, log, time.monotonic() + timeout))
+        if not parallel:
+            _finish_run(*started[-1], results, failures)
+    if parallel:
+        for run in started:
+            _finish_run(*run, results, failures)
+    return results, failures
+
+
+def _finish_run(name, proc, res, log, deadline, results, failures) -> None:
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = None
+    if log is not None:
+        log.close()
+        with open(log.name) as f:
+            print(f"== {name}'s output\n{f.read()}", flush=True)
+    if rc is None:
+        failures.append(f"{name}: still running after its timeout")
+    elif rc != 0 or not os.path.exists(res):
+        failures.append(f"{name}: run_clm exited {rc}")
+    else:
         with open(res) as f:
             results[name] = json.load(f)
-    return results, failures
 
 
 def compare_runs(stock: dict, offload: dict, *, max_rel: float) -> tuple[list[str], list[str]]:
@@ -246,6 +273,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--run_timeout", type=float, default=120.0, help="seconds per run")
+    p.add_argument("--parallel", action="store_true",
+                   help="both runs at once (each its own process, so its own peak memory and "
+                        "the same losses; the seconds shown then overlap)")
     p.add_argument("--work_dir", default=None,
                    help="where the runs write (default: a temporary directory, removed)")
     p.add_argument("--no_datasets", action="store_true",
@@ -269,7 +299,8 @@ def main(argv=None) -> int:
                                               dir=os.environ.get("SCRATCH") or None)
     try:
         results, failures = run_pair(
-            work, use_datasets=use_datasets, timeout=args.run_timeout, steps=args.steps,
+            work, use_datasets=use_datasets, timeout=args.run_timeout, parallel=args.parallel,
+            steps=args.steps,
             overrides=args.config_overrides, block_size=args.block_size, batch=args.batch,
             lr=args.lr, seed=args.seed, logging_steps=args.logging_steps)
         lines = []

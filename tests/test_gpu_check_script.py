@@ -1,20 +1,25 @@
 """scripts/gpu_check.sh and the HF_ZOFFLOAD_REQUIRE_GPU switch of tests/conftest.py, checked
 where there is no GPU: the script must fail fast there, never pass having tested nothing, and
-under the switch a `gpu` test that does not run is a failure, not a skip.
+under the switch a `gpu` test that does not run is a failure, not a skip. The stage machinery
+(figures, logs, timeouts, the budget) runs against a fake interpreter that plays each stage.
 
 CUDA_VISIBLE_DEVICES="" hides any GPU from the subprocesses, so this holds on a GPU machine too.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from tests._env import cpu_only_env
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
 # A module whose only gpu test is test_gpu_scale_tensors_refresh_without_sync; cheap to collect.
 GPU_TEST_FILE = "tests/optim/test_loss_scaler.py"
 
@@ -115,3 +120,167 @@ def test_require_gpu_fails_a_gpu_test_that_skips_itself(tmp_path):
                         "test_gpu_skip_mark": "error", "test_gpu_xfail": "xfailed",
                         "test_cpu_skips_itself": "skipped"}, outcomes
     assert "this gpu test skipped (Skipped: no luck" in proc.stdout
+
+
+# ------------------------------------------------------------- the stage machinery
+FAKE_PYTHON = """\
+#!/usr/bin/env bash
+# Plays each stage of gpu_check.sh without a GPU; FAKE_CALLS: a file that lists every call.
+[ -z "${FAKE_CALLS:-}" ] || echo "$*" >>"$FAKE_CALLS"
+case "$*" in
+  -) cat >/dev/null; echo "info gpu: Fake GPU"; echo "info torch: fake";;
+  "- "*) cat >/dev/null; echo "summary: $2: variants here generic, native; auto runs native";;
+  *setup.py*) echo built;;
+  *"-m pytest tests/ops/"*) [ -f tests/ops/test_cpu_adam.py ] || exit 4
+    echo "298 passed in 6.00s";;
+  *"-m pytest"*) echo ".."; echo "24 passed in 51.20s";;
+  *gpu_race.py*--short*)
+    [ -n "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
+    [ -z "${FAKE_CSAN:-}" ] || echo "CSAN detected a possible data race on tensor" >&2
+    echo "summary: | config | sanitized |";;
+  *gpu_race.py*) echo "summary: | config | vs CPU engine |"; echo "summary: | fp16 | equal |";;
+  *gpu_nccl_one_rank.py*) echo "summary: 7/7 nccl";;
+  *gpu_host_memory.py*) echo "summary: host figures"; echo "host went wrong" >&2; exit 1;;
+  *gpu_clm_compare.py*--parallel*) echo "summary: clm figures";;
+  *gpu_size.py*) echo "summary: size figures, limit ${GPU_CHECK_STAGE_S:-unset} s";;
+  *gpu_practicality.py*--json*) echo "summary: practicality figures";;
+  *gpu_peers.py*--wheels*--against*) echo "summary: peers figures";;
+  *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
+  *bench_cpu_adam.py*"--threads 1,"[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
+  *) echo "unexpected: $*" >&2; exit 9;;
+esac
+"""
+
+
+def _gpu_check(tmp_path, *args, **env):
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), *args], cwd=tmp_path,
+                          env=cpu_only_env(OUT=str(out), PYTHON=str(fake), TMPDIR=str(tmp_path),
+                                           **env),
+                          capture_output=True, text=True, timeout=120)
+    return proc, out
+
+
+ROW = re.compile(r"^\| (\w+) \| ([^|]+) \| \d+ \| (\d+) \| ([\w.]+) \|$", re.M)
+
+
+def test_gpu_check_stages_figures_and_at_most_five_files(tmp_path):
+    proc, out = _gpu_check(tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # host_memory failed
+    assert sorted(p.name for p in out.iterdir()) == ["cuda.log", "env.log", "logs.txt",
+                                                     "summary.md"]
+    summary = (out / "summary.md").read_text()
+    rows = ROW.findall(summary)
+    assert [r[0] for r in rows] == list(_stage_timeouts())
+    assert [r[0] for r in rows] == ["env", "cuda", "build", "kernel_tests", "gpu_tests", "race",
+                                    "race_sanitizer", "nccl_one_rank", "host_memory",
+                                    "run_clm", "size", "practicality", "peers",
+                                    "bench_scaling", "bench_cpu_adam"]
+    assert {r[0] for r in rows if r[1] != "pass"} == {"host_memory"}
+    assert [r[3] for r in rows][:3] == ["env.log", "cuda.log", "logs.txt"]
+    assert "## race\n\n| config | vs CPU engine |\n| fp16 | equal |\n" in summary
+    assert "## gpu_tests\n\n24 passed in 51.20s\n" in summary
+    # both builds' tests, each headed by the variants it ran (the portable copy's own tests)
+    assert ("## kernel_tests\n\nnative build: variants here generic, native; auto runs native"
+            "\nnative build: 298 passed in 6.00s\nportable build: variants here generic, "
+            "native; auto runs native\nportable build: 298 passed in 6.00s\n") in summary
+    assert "## size\n\nsize figures, limit 40 s\n" in summary  # GPU_CHECK_STAGE_S
+    assert "## practicality\n\npracticality figures\n" in summary
+    assert "## peers\n\npeers figures\n" in summary
+    assert "## bench_scaling\n\n| method | GB/s |\n| ours | 3000 |\n" in summary
+    assert "## bench_cpu_adam\n\n| path | of ceiling |\n" in summary  # table lines only
+    assert re.search(r"^- host CPU: .+; \d+ logical CPUs; ", summary, re.M)
+    assert "(--only)" not in summary
+    assert "## host_memory: fail (exit 1) (last 40 lines of its log)" in summary
+    assert "host went wrong" in summary
+    logs = (out / "logs.txt").read_text()
+    headers = re.findall(r"^===== (\w+): ", logs, re.M)
+    assert headers == [r[0] for r in rows][2:]
+    assert "===== host_memory: fail (exit 1), " in logs
+    assert not list(tmp_path.glob("gpu_check.*"))  # the scratch folder is gone
+
+
+def test_gpu_check_only_runs_env_cuda_and_the_chosen_stages(tmp_path):
+    calls = tmp_path / "calls"
+    proc, out = _gpu_check(tmp_path, "--only", "bench_cpu_adam,race", FAKE_CALLS=str(calls))
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # host_memory did not run
+    summary = (out / "summary.md").read_text()
+    assert [r[0] for r in ROW.findall(summary)] == ["env", "cuda", "race", "bench_cpu_adam"]
+    assert "- stages: only env, cuda, race, bench_cpu_adam (--only)" in summary
+    assert re.findall(r"^===== (\w+): ", (out / "logs.txt").read_text(), re.M) == [
+        "race", "bench_cpu_adam"]
+    ran = calls.read_text()
+    assert "gpu_race.py --steps 6" in ran and "setup.py" not in ran and "pytest" not in ran
+    # a failing chosen stage still fails the run
+    proc, out = _gpu_check(tmp_path, "--only=host_memory")
+    assert proc.returncode == 1
+    assert [r[0] for r in ROW.findall((out / "summary.md").read_text())] == [
+        "env", "cuda", "host_memory"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--only", "race,nope,build,bogus"], "unknown stage(s) in --only: 'nope' 'bogus'"),
+    (["--only", ","], "--only needs at least one stage name"),
+    (["--only"], "--only needs a value"),
+    (["--fast"], "unknown argument '--fast'"),
+])
+def test_gpu_check_refuses_bad_arguments_before_anything_runs(tmp_path, args, said):
+    calls = tmp_path / "calls"
+    proc, out = _gpu_check(tmp_path, *args, FAKE_CALLS=str(calls))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert said in proc.stderr and proc.stdout == ""
+    if "unknown stage" in said:  # one error naming every stage
+        assert proc.stderr.count("\n") == 1
+        assert "the stages: " + ", ".join(_stage_timeouts()) in proc.stderr
+    assert not out.exists() and not calls.exists()  # no output, no interpreter started
+
+
+def test_gpu_check_fails_the_sanitizer_stage_on_a_report(tmp_path):
+    proc, out = _gpu_check(tmp_path, FAKE_CSAN="1")
+    summary = (out / "summary.md").read_text()
+    assert "| race_sanitizer | fail (exit 1) |" in summary
+    assert "**the CUDA stream sanitizer reported 1 possible data race(s)**" in summary
+
+
+def _stage_timeouts() -> dict[str, int]:
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    return {m[0]: int(m[1]) for m in re.findall(r"^(?:if ! )?stage (\w+) (\d+) ", text, re.M)}
+
+
+def test_stage_list_is_the_stage_lines():
+    """--only checks names against STAGES before anything runs; it must be the stage lines."""
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    listed = re.search(r"^STAGES=\(([^)]*)\)", text, re.M)[1].split()
+    assert listed == list(_stage_timeouts())
+
+
+def test_timeouts_fit_the_budget_and_match_the_docs():
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    budget = int(re.search(r'^BUDGET_S="\$\{GPU_CHECK_BUDGET_S:-(\d+)\}"', text, re.M)[1])
+    assert budget == 300  # a run, a fix and a second run in 15 minutes of device time
+    stages = _stage_timeouts()
+    total = sum(stages.values())
+    assert total <= budget - 24, stages  # 24 s for the kill grace (5 s) and a slow start
+    assert f"sum to {total} s of the {budget} s budget" in text.replace("\n# ", " ")
+    gpu = (ROOT / "docs" / "gpu_check.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+)` \| (\d+) s \|", gpu, re.M))
+    assert {k: int(v) for k, v in table.items()} == stages
+    assert list(table) == list(stages)  # in the order they run
+    flat = textwrap.dedent(gpu).replace("\n", " ")
+    assert f"the timeouts add up to {total} s" in flat
+    assert f"within {budget} s (`GPU_CHECK_BUDGET_S`" in flat
+
+
+def test_kernel_tests_script_needs_its_interpreter_and_scratch(tmp_path):
+    env = {k: v for k, v in cpu_only_env().items() if k not in ("PY", "SCRATCH")}
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_kernel_tests.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "PY: the interpreter" in proc.stderr
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_kernel_tests.sh")], cwd=tmp_path,
+                          env={**env, "PY": sys.executable}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "SCRATCH: a scratch folder" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing copied or built

@@ -1,8 +1,8 @@
 """The GPU check scripts (scripts/gpu_*.py) and what scripts/gpu_check.sh does with them,
 checked where there is no GPU: each script refuses to run without CUDA, saying so; the logic
 that does not need a device (comparisons, verdicts, the data stand-ins, the one-rank group
-on gloo, the CPU side of the race check) runs on the CPU; gpu_check.sh's stage machinery runs
-against a fake interpreter that plays each stage.
+on gloo, the CPU side of the race check) runs on the CPU. (gpu_check.sh's stage machinery:
+tests/test_gpu_check_script.py.)
 
 CUDA_VISIBLE_DEVICES="" hides any GPU from the subprocesses, so this holds on a GPU machine too.
 """
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
+import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,15 @@ import _gpu_common as common  # noqa: E402
 import gpu_clm_compare  # noqa: E402
 import gpu_host_memory  # noqa: E402
 import gpu_nccl_one_rank  # noqa: E402
+import gpu_peers  # noqa: E402
+import gpu_practicality  # noqa: E402
 import gpu_race  # noqa: E402
+import gpu_size  # noqa: E402
 
 from tests._env import cpu_only_env  # noqa: E402
 
 GPU_SCRIPTS = ["gpu_race.py", "gpu_nccl_one_rank.py", "gpu_host_memory.py",
-               "gpu_clm_compare.py"]
+               "gpu_clm_compare.py", "gpu_size.py", "gpu_practicality.py", "gpu_peers.py"]
 
 
 # ------------------------------------------------------------------ without CUDA
@@ -58,7 +60,8 @@ def test_each_gpu_script_runs_main_as_a_script(name):
 
 
 @pytest.mark.parametrize("module", [gpu_race, gpu_nccl_one_rank, gpu_host_memory,
-                                    gpu_clm_compare])
+                                    gpu_clm_compare, gpu_size, gpu_practicality,
+                                    gpu_peers])
 def test_help_and_in_process_refusal(module, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         module.parse_args(["--help"])
@@ -282,6 +285,54 @@ def test_run_clm_args_differ_only_by_zero_offload():
     assert args.child == "r.json" and args.run_clm_args[1:] == ours
 
 
+# Each stand-in run marks that it started, waits (up to argv[3] s) for the other's mark, then
+# writes its result: both succeed only when they run at the same time.
+_MEETING_RUN = """
+import json, os, sys, time
+res, other = sys.argv[1], sys.argv[2]
+open(res + ".started", "w").close()
+t_end = time.monotonic() + float(sys.argv[3])
+while not os.path.exists(other + ".started"):
+    if time.monotonic() > t_end:
+        sys.exit(7)
+    time.sleep(0.05)
+print("run output of", os.path.basename(res))
+json.dump({"losses": [[1, 2.0], [2, 1.0]]}, open(res, "w"))
+"""
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_run_pair_parallel_runs_both_at_once(tmp_path, monkeypatch, capsys, parallel):
+    def command(name, result, *, use_datasets, **kwargs):
+        other = "zero_offload" if name == "stock" else "stock"
+        return [sys.executable, "-c", _MEETING_RUN, result,
+                os.path.join(os.path.dirname(result), f"{other}.json"),
+                "30" if parallel else "1"]
+
+    monkeypatch.setattr(gpu_clm_compare, "child_command", command)
+    results, failures = gpu_clm_compare.run_pair(str(tmp_path), use_datasets=False,
+                                                 timeout=60, parallel=parallel)
+    if parallel:
+        assert failures == [] and sorted(results) == ["stock", "zero_offload"]
+        out = capsys.readouterr().out  # each run's output, after both ended, under its name
+        assert "== stock's output\nrun output of stock.json" in out
+        assert "== zero_offload's output\nrun output of zero_offload.json" in out
+    else:  # one after the other: the first waits in vain for a run not started yet
+        assert failures == ["stock: run_clm exited 7"] and list(results) == ["zero_offload"]
+
+
+def test_child_command_runs_this_script_with_the_run_clm_args(tmp_path):
+    kw = dict(steps=5, overrides="x=1", block_size=16, batch=2, lr=1e-3, seed=1,
+              logging_steps=1)
+    cmd = gpu_clm_compare.child_command("zero_offload", str(tmp_path / "zero_offload.json"),
+                                        use_datasets=False, **kw)
+    assert cmd[:6] == [sys.executable, gpu_clm_compare.__file__, "--child",
+                       str(tmp_path / "zero_offload.json"), "--no_datasets", "--"]
+    assert cmd[6:] == gpu_clm_compare.run_clm_args(str(tmp_path / "zero_offload"),
+                                                   offload=True, **kw)
+    assert gpu_clm_compare.parse_args(["--parallel"]).parallel
+
+
 def test_llama_config_is_about_100m_params():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -337,89 +388,3 @@ def test_one_zero_offload_run_without_datasets(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert [s for s, _ in r["losses"]] == [2, 4] and r["datasets"] is False
     assert r["n_params"] > 0 and r["peak_bytes"] is None and r["train_loss"] > 0
-
-
-# ------------------------------------------------------------------ gpu_check.sh
-FAKE_PYTHON = """\
-#!/usr/bin/env bash
-# Plays each stage of gpu_check.sh without a GPU.
-case "$*" in
-  -) cat >/dev/null; echo "info gpu: Fake GPU"; echo "info torch: fake";;
-  *setup.py*) echo built;;
-  *"-m pytest"*) echo ".."; echo "24 passed in 51.20s";;
-  *gpu_race.py*--short*)
-    [ -n "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
-    [ -z "${FAKE_CSAN:-}" ] || echo "CSAN detected a possible data race on tensor" >&2
-    echo "summary: | config | sanitized |";;
-  *gpu_race.py*) echo "summary: | config | vs CPU engine |"; echo "summary: | fp16 | equal |";;
-  *gpu_nccl_one_rank.py*) echo "summary: 7/7 nccl";;
-  *gpu_host_memory.py*) echo "summary: host figures"; echo "host went wrong" >&2; exit 1;;
-  *gpu_clm_compare.py*) echo "summary: clm figures";;
-  *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
-  *bench_offload.py*) echo "| path | tokens/s |";;
-  *bench_cpu_adam.py*"--threads 1,"[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
-  *) echo "unexpected: $*" >&2; exit 9;;
-esac
-"""
-
-
-def _gpu_check(tmp_path, **env):
-    fake = tmp_path / "python3"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], cwd=tmp_path,
-                          env=cpu_only_env(OUT=str(out), PYTHON=str(fake), TMPDIR=str(tmp_path),
-                                   **env),
-                          capture_output=True, text=True, timeout=120)
-    return proc, out
-
-
-def test_gpu_check_stages_figures_and_at_most_five_files(tmp_path):
-    proc, out = _gpu_check(tmp_path)
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # host_memory failed
-    assert sorted(p.name for p in out.iterdir()) == ["cuda.log", "env.log", "logs.txt",
-                                                     "summary.md"]
-    summary = (out / "summary.md").read_text()
-    rows = re.findall(r"^\| (\w+) \| ([^|]+) \| \d+ \| (\d+) \| ([\w.]+) \|$", summary, re.M)
-    assert [r[0] for r in rows] == ["env", "cuda", "build", "gpu_tests", "race",
-                                    "race_sanitizer", "nccl_one_rank", "host_memory",
-                                    "run_clm", "bench_scaling", "bench_offload",
-                                    "bench_cpu_adam"]
-    assert {r[0] for r in rows if r[1] != "pass"} == {"host_memory"}
-    assert [r[3] for r in rows][:3] == ["env.log", "cuda.log", "logs.txt"]
-    assert "## race\n\n| config | vs CPU engine |\n| fp16 | equal |\n" in summary
-    assert "## gpu_tests\n\n24 passed in 51.20s\n" in summary
-    assert "## bench_scaling\n\n| method | GB/s |\n| ours | 3000 |\n" in summary
-    assert "## bench_cpu_adam\n\n| path | of ceiling |\n" in summary  # table lines only
-    assert re.search(r"^- host CPU: .+; \d+ logical CPUs; ", summary, re.M)
-    assert "## host_memory: fail (exit 1) (last 40 lines of its log)" in summary
-    assert "host went wrong" in summary
-    logs = (out / "logs.txt").read_text()
-    headers = re.findall(r"^===== (\w+): ", logs, re.M)
-    assert headers == [r[0] for r in rows][2:]
-    assert "===== host_memory: fail (exit 1), " in logs
-    assert not list(tmp_path.glob("gpu_check.*"))  # the scratch folder is gone
-
-
-def test_gpu_check_fails_the_sanitizer_stage_on_a_report(tmp_path):
-    proc, out = _gpu_check(tmp_path, FAKE_CSAN="1")
-    summary = (out / "summary.md").read_text()
-    assert "| race_sanitizer | fail (exit 1) |" in summary
-    assert "**the CUDA stream sanitizer reported 1 possible data race(s)**" in summary
-
-
-def _stage_timeouts() -> dict[str, int]:
-    text = (SCRIPTS / "gpu_check.sh").read_text()
-    return {m[0]: int(m[1]) for m in re.findall(r"^(?:if ! )?stage (\w+) (\d+) ", text, re.M)}
-
-
-def test_timeouts_fit_the_budget_and_match_the_readme():
-    stages = _stage_timeouts()
-    assert sum(stages.values()) <= 540 - 30, stages  # 30 s for starts and kill grace
-    readme = (ROOT / "README.md").read_text()
-    gpu = readme[readme.index("### GPU"):readme.index("## Several processes")]
-    table = dict(re.findall(r"^\| `(\w+)` \| (\d+) s \|", gpu, re.M))
-    assert {k: int(v) for k, v in table.items()} == stages
-    assert f"the timeouts add up to {sum(stages.values())} s" in textwrap.dedent(gpu).replace(
-        "\n", " ")
