@@ -372,12 +372,12 @@ stage peers 18 "$PY" scripts/gpu_peers.py --wheels "$ROOT/wheels" \
     --against "$SCRATCH/practicality.json"
 # 100M fp16 elements: 4 buckets of the default 25M instead of 40. Per-bucket costs (launch,
 # read) and so every ratio in the table stay the same; allocation and timing take a tenth.
-stage bench_scaling 7 "$PY" scripts/bench_scaling.py --elements 100000000
+stage bench_scaling 7 "$PY" scripts/bench/bench_scaling.py --elements 100000000
 # Last, so it never takes time from a GPU check: the CPU-Adam on the host CPU, another x86 than
 # the development VM (often with AVX-512: issue 12 asks for >= 0.90 of the ceiling there too).
 # 10M params (280 MB a pass in fp32, past most L3s), 1 thread and all of them, one int8 block
 # size, 3 timed calls a row: 10.0 s on the 2-vCPU VM (without DeepSpeed, as there).
-stage bench_cpu_adam 12 "$PY" scripts/bench_cpu_adam.py --sizes 10M --threads "1,$(nproc)" \
+stage bench_cpu_adam 12 "$PY" scripts/bench/bench_cpu_adam.py --sizes 10M --threads "1,$(nproc)" \
     --repeats 3 --qblocks 256
 write_summary
 cat "$OUT/summary.md"

@@ -1,7 +1,7 @@
 """The CPU-Adam benchmarks at tiny sizes: bench_cpu_adam.py prints every row once per thread
 count, with the bytes per param each path moves and its ratios to each reference, timed in
-rounds (scripts/_interleave.py, tested in test_bench_interleave.py); bench_kernel_loop.py builds
-its C driver and times every state."""
+rounds (scripts/bench/_interleave.py, tested in test_bench_interleave.py);
+bench_kernel_loop.py builds its C driver and times every state."""
 
 import re
 import runpy
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_prints_every_row_with_its_bytes(capsys):
-    bench = runpy.run_path(str(ROOT / "scripts" / "bench_cpu_adam.py"))  # main() not run
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_cpu_adam.py"))  # main() not run
     argv = ["--sizes", "4K", "--threads", "1,2", "--repeats", "1", "--qblocks", "16,256"]
     threads = torch.get_num_threads()
     try:
@@ -53,7 +53,7 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
 
 
 def test_kernel_loop_builds_and_times_every_state():
-    loop = runpy.run_path(str(ROOT / "scripts" / "bench_kernel_loop.py"))
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     ns = loop["run"](4096, 3, 1)
     assert list(ns) == ["fp32", "bf16", "int8"]
     assert all(0 < v < 1e6 for v in ns.values()), ns

@@ -1,4 +1,4 @@
-"""scripts/_interleave.py, the round-robin timing of the benchmarks, on fake clocks: under a
+"""scripts/bench/_interleave.py, the round-robin timing of the benchmarks, on fake clocks: under a
 machine whose speed drifts, the per-round ratios give the true ratio where timing one row
 after another does not; the order rotates; a failing row ends the run with one clear error."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts" / "bench")
 sys.path.insert(0, SCRIPTS)
 try:
     import _interleave as il

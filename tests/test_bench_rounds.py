@@ -1,5 +1,5 @@
 """bench_offload.py (CPU) and bench_trainer.py time what they compare in rounds
-(scripts/_interleave.py): the engine step against the bare kernel, the stock Trainer against
+(scripts/bench/_interleave.py): the engine step against the bare kernel, the stock Trainer against
 --zero_offload, the order alternating, each ratio the median of per-round ratios."""
 
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
 
 def _load(name, monkeypatch):

@@ -1,4 +1,4 @@
-"""scripts/soak.py on a small scale: its checks run and pass, and each of them can fail."""
+"""scripts/bench/soak.py on a small scale: its checks run and pass, and each of them can fail."""
 
 import logging
 import os
@@ -22,17 +22,17 @@ SMALL = ["--corpus_mb", "0.05", "--vocab_size", "300", "--n_layer", "1", "--n_em
 
 
 def _load_soak():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
         import soak
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "scripts" / "bench"))
     return soak
 
 
 @pytest.mark.slow
 def test_soak_script_checks_pass(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "60",
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "soak.py"), "--steps", "60",
            "--checkpoint_every", "20", "--rss_every", "10", "--output_dir", str(tmp_path),
            *SMALL]
     # One thread: two threads on a busy 2-core machine measured 174 ms a step (OpenMP

@@ -71,7 +71,7 @@ def resolve_group(process_group, device: torch.device):
 
 class Collectives:
     """One process group. ``sent`` counts the bytes handed to each kind of collective
-    (input tensors); scripts/bench_offload.py compares them with what reaches the sockets."""
+    (input tensors); scripts/bench/bench_offload.py compares them with what reaches the sockets."""
 
     def __init__(self, group, *, device: torch.device):
         self.group = group

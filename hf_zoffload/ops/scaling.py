@@ -32,7 +32,7 @@ _GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # each of an H200's 132 SMs, so the ragged last wave costs little. It also keeps the
 # interpreter fast: 123 programs for the 1_000_003-element test case. Compiled for sm_90
 # (Triton 3.9) a full fp16 tile is 4 ld.global.v4 per thread; only the last tile is masked.
-# Not yet timed on a GPU: scripts/bench_scaling.py is the check.
+# Not yet timed on a GPU: scripts/bench/bench_scaling.py is the check.
 _BLOCK = 8192
 _NUM_WARPS = 8
 # Lanes of the one-program second stage that adds the per-program partials.
@@ -190,7 +190,7 @@ def unscale_check_host_(grad, inv_scale, found_inf, sumsq, *, out=None) -> None:
     where squares of finite values may also have overflowed: the flag then follows the
     reference exactly). An fp32 grad with a scale of 1 is squared as it is, since x * 1.0 is
     x. On the quickstart model's 52 params this cut the check from 5.0 to 1.5 ms a step
-    (2-vCPU AMD EPYC; scripts/bench_trainer.py)."""
+    (2-vCPU AMD EPYC; scripts/bench/bench_trainer.py)."""
     if grad.device.type != "cpu":
         raise ValueError(f"unscale_check_host_ takes CPU tensors, got {grad.device}")
     if out is not None:

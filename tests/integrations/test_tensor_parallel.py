@@ -294,11 +294,11 @@ def test_cpu_processes_take_the_config_accelerate_refuses():
 
 
 def test_bench_tp_mode_refuses_sizes_that_do_not_fit(capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
         import bench_offload
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "scripts" / "bench"))
     for argv, says in ((["--world_size", "4", "--tp_size", "3"], "must be >= 1 and divide"),
                        (["--world_size", "2", "--tp_size", "2", "--hidden", "100"],
                         "a multiple of 64")):

@@ -4,7 +4,7 @@
 Runs `scripts/run_clm.py` on its built-in default (the small GPT-2 on the stdlib sources,
 fp32 on the CPU) in pairs, same seed and arguments, --pairs times, all in this one process
 (time here is noisy; pairs in one process compare under the same load). The pairs are the
-rounds of scripts/_interleave.py: which run goes first alternates (stock first in even pairs),
+rounds of scripts/bench/_interleave.py: which run goes first alternates (stock first in even pairs),
 so a machine slowing or speeding up within a pair counts against each side alike. Reports
 each pair's train_runtime (the Trainer's own metric: training steps only, no tokenizer or
 model build) and the median over pairs of the ratio offload / stock.
@@ -21,8 +21,10 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench: _interleave
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # scripts/: run_clm
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout
 
 import _interleave as il  # noqa: E402
 import run_clm  # noqa: E402

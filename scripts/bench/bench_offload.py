@@ -3,7 +3,7 @@
 CPU: ``ZeroOffloadOptimizer.step()`` over a GPT-2-124M-shaped set of bf16 params (--layers,
 --hidden) against the bare CPU-Adam kernel over the same bytes, in one run (the engine's
 overhead): --repeats rounds, each timing one step and one kernel call in alternating order
-(scripts/_interleave.py); ms is each one's median, "vs kernel" the median per-round ratio.
+(scripts/bench/_interleave.py); ms is each one's median, "vs kernel" the median per-round ratio.
 CUDA: tokens/s and peak device memory of a GPT-2 training step for ours (with and without the
 delayed update), plain AMP AdamW, and torchao's CPUOffloadOptimizer / DeepSpeed ZeRO-2 with
 optimizer offload when they are installed, one path after another (see bench_cuda).
@@ -276,7 +276,7 @@ def bench_tp(args) -> list[str]:
 
 
 def bench_cuda(args) -> list[str]:
-    """One path after another, not in rounds (scripts/_interleave.py): a path's peak device
+    """One path after another, not in rounds (scripts/bench/_interleave.py): a path's peak device
     memory is its own only while no other path's model and optimizer are resident, DeepSpeed's
     initialize and torchao's bf16 cast take the model over, and the table reports each path's
     tokens/s and peak memory, no ratio between paths."""

@@ -5,13 +5,13 @@ Compiles a small C driver against cython_ext/adam_kernel.h with the extension's 
 -O3 -fno-math-errno -ffp-contract=off -march=native), then times the engine's call (bf16 grads
 in, bf16 params written over them, weight decay on) on one thread over a buffer small enough to
 stay in cache, for fp32, bf16 and int8 moments. Each round times every state --calls times in
-turn, the order rotating from round to round as in scripts/_interleave.py; a state's figure is
+turn, the order rotating from round to round as in scripts/bench/_interleave.py; a state's figure is
 its fastest call over all rounds, in ns per param. The rounds run in the C driver, not through
 _interleave: the point is a loop without Python (a call over the 64K params is ~30 us), and in
 cache the memory drift that _interleave's medians guard against does not reach the kernel, so
 the fastest call, the least disturbed one, is the figure (disturbances only add time). It
 prints no ratio between states (the README derives them from the figures).
-Usage: python scripts/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
+Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # setup.py BASE_FLAGS and its native build (no OpenMP: the driver runs one thread)
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-march=native"]
 STATES = {"fp32": 0, "bf16": 2, "int8": 4}  # adam_kernel.h's HZ_F32, HZ_BF16, HZ_Q8

@@ -37,8 +37,8 @@ import tempfile
 import time
 import warnings
 
-# Runnable from a checkout without installing: scripts/.. is the repository root.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Runnable from a checkout without installing: scripts/bench/../.. is the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

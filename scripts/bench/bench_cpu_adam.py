@@ -19,15 +19,15 @@ Rows per (size, threads):
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
 
-The rows of one (size, threads) block are timed in rounds (scripts/_interleave.py): each of the
---repeats rounds times every row once, the order rotating, so a drift in memory bandwidth
+The rows of one (size, threads) block are timed in rounds (scripts/bench/_interleave.py): each
+of the --repeats rounds times every row once, the order rotating, so a drift in memory bandwidth
 within the run falls on every row alike. ms/step is a row's median over rounds; GB/s counts
 the nominal bytes above at that median; every ratio is the median over rounds of the ratio of
 two calls made in the same round: "of ceiling" the row's GB/s over the ceiling's (the fraction
 of the measured memory bandwidth it uses), "vs torch fused", "vs torch composed", "vs
 DeepSpeed" (DeepSpeedCPUAdam fp32, a column only when deepspeed imports) and "vs fp32 state"
 that reference row's ms over the row's (above 1: the row is faster).
-Usage: python scripts/bench_cpu_adam.py [--sizes 10M,50M,100M] [--threads 1,2] [--repeats 5]
+Usage: python scripts/bench/bench_cpu_adam.py [--sizes 10M,50M,100M] [--threads 1,2] [--repeats 5]
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ against a device-to-device copy of the whole buffer (2 + 2 B/elem), whose bytes/
 measured copy bandwidth. Each method runs eagerly and replayed from a CUDA graph: the graph
 removes Python launch cost (~10 us per Triton launch, about a 25M-fp16 bucket's read time
 on an H200), leaving the device throughput. The eight (method, launch) rows are timed in
---samples rounds (scripts/_interleave.py), each timing one sample of --passes passes of every
+--samples rounds (scripts/bench/_interleave.py), each timing one sample of --passes passes of every
 row, the order rotating: ms / pass is a row's median over rounds, "of copy GB/s" and "speedup
 vs torch pair" the medians of the per-round ratios to the copy and the torch pair of the same
 launch. Prints a markdown table.
 
-    python scripts/bench_scaling.py [--elements N] [--bucket N] [--dtype fp16]
+    python scripts/bench/bench_scaling.py [--elements N] [--bucket N] [--dtype fp16]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each run is `scripts/quickstart.sh` (its venv setup skipped) with ``--zero_offlo
 and the loss logged every ``--every`` steps. Prints a markdown table of the losses and the
 final loss of each mode relative to fp32; exits 1 when bf16 is off by more than
 ``--bf16_tolerance`` or int8 by more than ``--int8_tolerance`` (relative, final logged loss).
-Usage: python scripts/fidelity_state_dtype.py [--max_steps 300] [--every 50]
+Usage: python scripts/bench/fidelity_state_dtype.py [--max_steps 300] [--every 50]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ("fp32", "bf16", "int8")
 
 
