@@ -7,6 +7,7 @@ import re
 import runpy
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["int8 ceiling (read 8, write 8)"] == 16
 
 
+@pytest.mark.slow
 def test_kernel_loop_builds_and_times_every_state():
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     ns = loop["run"](4096, 3, 1)

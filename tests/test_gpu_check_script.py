@@ -32,6 +32,7 @@ def _run_script(tmp_path, python):
     return proc, out
 
 
+@pytest.mark.slow
 def test_gpu_check_fails_fast_without_cuda(tmp_path):
     proc, out = _run_script(tmp_path, sys.executable)
     said = proc.stdout + proc.stderr
@@ -67,6 +68,7 @@ def _pytest(tmp_path, args, **env):
     return proc, outcomes
 
 
+@pytest.mark.slow
 def test_require_gpu_turns_the_no_cuda_skip_into_a_failure(tmp_path):
     args = [GPU_TEST_FILE, "-m", "gpu"]
     proc, outcomes = _pytest(tmp_path, args)
@@ -79,6 +81,7 @@ def test_require_gpu_turns_the_no_cuda_skip_into_a_failure(tmp_path):
     assert "HF_ZOFFLOAD_REQUIRE_GPU=1 and no CUDA device is available" in proc.stdout
 
 
+@pytest.mark.slow
 def test_require_gpu_fails_a_gpu_test_that_skips_itself(tmp_path):
     """With CUDA reported present, a skip inside a gpu test (pytest.skip, a skip mark) fails;
     xfail and the skips of tests not marked gpu are left as they are. (Without the switch

@@ -40,6 +40,7 @@ GPU_SCRIPTS = ["gpu_race.py", "gpu_nccl_one_rank.py", "gpu_host_memory.py",
 
 
 # ------------------------------------------------------------------ without CUDA
+@pytest.mark.slow
 def test_a_gpu_script_run_without_cuda_exits_1_saying_so(tmp_path):
     """From the command line, as gpu_check.sh runs it (one script: each costs ~6 s of imports
     on 2 cores; the in-process test below covers every script's main())."""

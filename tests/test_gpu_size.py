@@ -263,6 +263,7 @@ def test_one_probe_in_this_process_on_the_cpu():
     assert r["result"] == "fits" and r["host_total"] is None
 
 
+@pytest.mark.slow
 def test_a_probe_process_writes_its_result(tmp_path, monkeypatch):
     """The child side as run_batch starts it (one subprocess: ~6 s of imports on 2 cores)."""
     base = llama.with_overrides(llama.LLAMA_4096, TINY)

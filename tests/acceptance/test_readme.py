@@ -139,6 +139,7 @@ def test_accelerate_snippet(fresh_accelerate):
     assert engine.applied_steps == 2  # 4 batches, 2 per step
 
 
+@pytest.mark.slow
 def test_run_clm_snippet(tmp_path):
     """The two run_clm.py lines, with options that make them small and quick appended (later
     options win); --use_cpu where there is no GPU, as the README says."""
@@ -218,10 +219,12 @@ def test_tensor_parallel_snippet(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_estimate_snippet(tmp_path):
     _run_estimate_snippet(tmp_path, "--params 7B")
 
 
+@pytest.mark.slow
 def test_estimate_tp_snippet(tmp_path):
     _run_estimate_snippet(tmp_path, "--tp_size 8")
 

@@ -38,6 +38,7 @@ def _accelerate_questions(child):
             return
 
 
+@pytest.mark.slow
 def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     cfg = tmp_path / "acc.yaml"
     child = pexpect.spawn(sys.executable, ["-m", "hf_zoffload.commands.main", "config",

@@ -130,6 +130,7 @@ def _launch(tmp_path, cfg, *args, env_extra=None):
     return proc, out
 
 
+@pytest.mark.slow
 def test_train_script_through_launch_one_process(tmp_path):
     cfg, _ = _configs(tmp_path, compute_dtype="fp32", bucket_size_mb=0.25, cpu_threads=2)
     proc, out = _launch(tmp_path, cfg, "--num_processes", "1",

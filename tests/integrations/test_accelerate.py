@@ -36,6 +36,7 @@ def _tiny(n_in=8, n_out=4, seed=0):
 # ------------------------------------------------------------ the training loop
 @pytest.mark.parametrize("grad_accum,max_grad_norm", [(2, 0.5), (1, 0.0)],
                          ids=["accumulate2-clip", "plain"])
+@pytest.mark.slow
 def test_losses_equal_plain_adamw_at_fp32(monkeypatch, grad_accum, max_grad_norm):
     script = _load_script()
     argv = ["--grad_accum", str(grad_accum), "--max_grad_norm", str(max_grad_norm)]

@@ -67,6 +67,7 @@ def column(logs, key):
 
 
 # ------------------------------------------------------------------------ equivalence
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
 def test_fp32_matches_stock_adamw(tmp_path, make):
     _, ref = run(tmp_path / "stock", make())
@@ -81,6 +82,7 @@ def test_fp32_matches_stock_adamw(tmp_path, make):
     assert column(got, "learning_rate") == column(ref, "learning_rate")
 
 
+@pytest.mark.slow
 def test_off_is_the_stock_trainer(tmp_path):
     _, ref = run(tmp_path / "stock", gpt2(), max_steps=2)
     trainer, got = run(tmp_path / "off", gpt2(), offload=False, max_steps=2)
@@ -136,6 +138,7 @@ def reference_bf16(model, data, *, steps, shifted_count):
     return logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
 def test_bf16_matches_plain_mixed_precision(tmp_path, make):
     data = Tokens()
@@ -156,6 +159,7 @@ def test_bf16_matches_plain_mixed_precision(tmp_path, make):
 
 
 # ------------------------------------------------------------------------ checkpoints
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_resume_continues_the_same_run(tmp_path, precision):
     kw = {precision: True, "save_strategy": "steps", "save_steps": 3}
@@ -345,6 +349,7 @@ def test_cuda_mixed_precision_runs_through_the_engine(tmp_path, precision):
     assert all(s["master"].device.type == "cpu" for s in state["state"].values())
 
 
+@pytest.mark.slow
 def test_delayed_update_lands_before_saving_and_at_the_end(tmp_path):
     """With delayed_update the last step's params arrive one step late: the Trainer lands
     them at the end of training and before anything reads the weights."""

@@ -64,6 +64,7 @@ def _train(model, opt, sched, data, *, engine: bool, steps=STEPS, start=0):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_fp32_matches_adamw(name):
     ref = _setup(name)
@@ -203,6 +204,7 @@ def test_triton_kernels_in_the_loop(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_state_dict_resume_is_bitwise(tmp_path):
     data = batches(5)
 

@@ -69,6 +69,7 @@ def test_two_ranks_equal_one_rank(two, one, kind):
     assert max(one[kind]["norms"]) > w.MAX_NORM  # clipping was active
 
 
+@pytest.mark.slow
 def test_the_ranks_adopt_the_first_ranks_arrival_order(two, one):
     """After the first step the buckets follow the first backward's gradient order (rank
     0's: rank 1's first backward has no grad for ``extra``, which rank 0 uses), the same
