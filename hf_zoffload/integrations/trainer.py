@@ -129,7 +129,7 @@ class ZeroOffloadTrainer(Trainer):
         if self.is_fsdp_enabled:
             raise ValueError("zero_offload=True and an FSDP accelerate config cannot be "
                              "combined; launch without FSDP")
-        self._memory_logged = False
+        self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
 
     # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
@@ -357,22 +357,52 @@ class ZeroOffloadTrainer(Trainer):
             self.engine.flush()
         return super().evaluate(*args, **kwargs)
 
+    # ------------------------------------------------- logs
+    # state.log_history stays the stock Trainer's (the same entries with the same keys): code
+    # that reads it (best checkpoint, a resumed run's history against the uninterrupted one,
+    # [h["loss"] for h in log_history[:-1]]) runs unchanged. The offload figures (the memory
+    # report, the loss scale, the skipped steps, the time split) ride on the entry's
+    # ``on_log``: the printed log line and the reporting integrations (TensorBoard, W&B, ...)
+    # get them; log_history keeps them only with --zero_offload_log_history_extras.
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        engine = self.engine
-        if engine is not None and "loss" in logs:  # a training-step entry
+        extras = self._log_extras(logs) if self.engine is not None else {}
+        extras = {k: v for k, v in extras.items() if k not in logs}  # the caller's own win
+        if not extras:
+            return super().log(logs, *args, **kwargs)
+        logs.update(extras)
+        first_new = len(self.state.log_history)
+        super().log(logs, *args, **kwargs)  # appends {**logs, "step": ...}, then on_log(logs)
+        keep = getattr(self.args, "zero_offload_log_history_extras", False)
+        if not keep and len(self.state.log_history) > first_new:
+            entry = self.state.log_history[first_new]
+            for key in extras:
+                entry.pop(key, None)
+
+    def _log_extras(self, logs: dict) -> dict:
+        """What an entry carries beyond the stock keys: the memory figures on the first entry
+        logged after training began, and on each training-step entry (it has ``loss``) the
+        loss scale (fp16), the skipped steps so far and the window's mean time split."""
+        out, self._memory_figures = self._memory_figures or {}, None
+        if "loss" in logs:
+            engine = self.engine
             if engine.loss_scaler.is_enabled():
-                logs["loss_scale"] = engine.loss_scaler.loss_scale
-            logs["skipped_steps"] = engine.skipped_steps
-            logs.update(self.optimizer.take_window())
-        super().log(logs, *args, **kwargs)
+                out["loss_scale"] = engine.loss_scaler.loss_scale
+            out["skipped_steps"] = engine.skipped_steps
+            out.update(self.optimizer.take_window())
+        return out
 
     def _log_memory_report(self) -> None:
+        """The engine's model-state memory, once: the table to the logger at INFO (where the
+        Trainer's own account of a run goes; a warning would say something is wrong), and
+        three figures on the first entry logged (`_log_extras`): the printed log line shows
+        them at any log level, and the integrations record them."""
         engine = self.engine
         if engine is None or self._memory_logged:
             return
         self._memory_logged = True
         report = engine.memory_report()
         logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
-        self.log({"offload_device_mib": round(report["device_total"] / 2**20, 3),
-                  "offload_host_mib": round(report["host_total"] / 2**20, 3),
-                  "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)})
+        self._memory_figures = {
+            "offload_device_mib": round(report["device_total"] / 2**20, 3),
+            "offload_host_mib": round(report["host_total"] / 2**20, 3),
+            "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)}
