@@ -45,23 +45,21 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import logging
 import os
 import warnings
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
-from . import core, parallel
+from . import completeness, core, parallel
 from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
 
 logger = logging.getLogger(__name__)
@@ -222,65 +220,31 @@ class ZeroOffloadTrainer(Trainer):
             self.optimizer = core.OffloadedOptimizer(engine)
         return self.optimizer
 
-    # A checkpoint is whole once this file is there: written last, atomically, with every
-    # other file's size. get_last_checkpoint (resume_from_checkpoint=True) takes the highest
-    # checkpoint-N whole or not, and the stock load skips a missing optimizer.pt or
-    # rng_state.pth without a word. Sizes, not checksums: a killed process loses no data it
-    # wrote (the page cache outlives it); a machine crash can, and leaves files short or empty.
-    COMPLETE_NAME = "zero_offload_complete.json"
+    # A checkpoint is whole once its marker is there, written last (completeness.py says
+    # what the check before a resume verifies, and why it is needed).
+    COMPLETE_NAME = completeness.COMPLETE_NAME
 
     def _save_checkpoint(self, model, trial) -> None:
         if not self.zero_offload:
             return super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial),
                               f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        marker = os.path.join(folder, self.COMPLETE_NAME)
-        if self.args.should_save:  # a re-save into this folder starts unmarked
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(marker)
+        if self.args.should_save:
+            completeness.remove_marker(folder)
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's rng_state_<rank>.pth is written
         if self.args.should_save:
-            sizes = {os.path.relpath(os.path.join(d, n), folder): os.path.getsize(
-                os.path.join(d, n)) for d, _, names in os.walk(folder) for n in names
-                if not n.startswith(self.COMPLETE_NAME)}
-            with open(marker + ".tmp", "w") as f:
-                json.dump({"files": sizes}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(marker + ".tmp", marker)
-
-    @classmethod
-    def _why_incomplete(cls, folder: str) -> str | None:
-        """Why ``folder`` is not a whole checkpoint, or None."""
-        try:
-            with open(os.path.join(folder, cls.COMPLETE_NAME)) as f:
-                sizes = json.load(f)["files"]
-        except FileNotFoundError:
-            # Saved without offload, or killed after the Trainer's last file (trainer_state.json)
-            # and before the marker: whole if the files a resume reads are there.
-            names = os.listdir(folder)
-            missing = [n for n in (OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, "rng_state")
-                       if not any(have.startswith(n) for have in names)]
-            return f"no {cls.COMPLETE_NAME} and no {', '.join(missing)}" if missing else None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{cls.COMPLETE_NAME} is unreadable ({e})"
-        for name, size in sizes.items():
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                return f"{name} is missing"
-            if os.path.getsize(path) != size:
-                return f"{name} has {os.path.getsize(path)} bytes, {size} were saved"
-        return None
+            completeness.write_marker(folder, model_only=self.args.save_only_model)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
-        why = self._why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) else None
+        why = completeness.why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) \
+            else None
         if why:
             parent = os.path.dirname(os.path.abspath(ckpt))
             whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
-                c, ckpt) and self._why_incomplete(c) is None]
+                c, ckpt) and completeness.why_incomplete(c) is None]
             raise ValueError(
                 f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
                 + (f"The newest complete checkpoint is {whole[0]}: resume from it, or delete "
