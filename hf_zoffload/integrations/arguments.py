@@ -1,7 +1,8 @@
 """`ZeroOffloadTrainingArguments`: `TrainingArguments` plus ``--zero_offload`` and one
 ``--zero_offload_<setting>`` per `ZeroOffloadPlugin` field, generated from the fields so that a
-new setting is a new argument with no edit here; and `check_argv`, which names the closest
-setting for an unknown ``--zero_offload_<name>``.
+new setting is a new argument with no edit here, and the Trainer's own options
+(`TRAINER_OPTIONS`: ``--zero_offload_log_history_extras``), which are not engine settings; and
+`check_argv`, which names the closest option for an unknown ``--zero_offload_<name>``.
 
 The compute dtype comes from the Trainer's own ``--fp16`` / ``--bf16`` (else accelerate's
 mixed_precision as `accelerate launch` exports it, else fp32), the clip norm from
@@ -38,7 +39,7 @@ from ..ops.moments import moment_format
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOffloadTrainingArguments", "ALLOWED_OPTIMS", "check_argv"]
+__all__ = ["ZeroOffloadTrainingArguments", "ALLOWED_OPTIMS", "TRAINER_OPTIONS", "check_argv"]
 
 # The engine is AdamW (decoupled weight decay) with torch's hyperparameters and state keys;
 # these are the Trainer optimizers with exactly that update rule.
@@ -62,6 +63,20 @@ UNUSED = {
 }
 
 
+# Options of the Trainer's own, not engine settings: no ZeroOffloadPlugin field, so no
+# HF_ZOFFLOAD_* variable or yaml key either (env_values and read_yaml refuse those names).
+# Each is a bool, off by default: --zero_offload_<name> alone turns it on.
+TRAINER_OPTIONS = {
+    "log_history_extras": "Also keep in state.log_history (and trainer_state.json) the figures "
+                          "the offload Trainer logs: the memory report on the first entry, "
+                          "loss_scale (fp16), skipped_steps and the step's time split "
+                          "(fwd_bwd_ms, ...) on each training-step entry. Off: log_history "
+                          "has the stock Trainer's entries and keys only; the printed log lines "
+                          "and the report_to integrations get the figures either way. "
+                          "Default: False.",
+}
+
+
 def _argument_fields() -> list[tuple]:
     out = [("zero_offload", bool | None, field(default=None, metadata={
         "help": "Keep fp32 master weights and Adam state in host memory and run AdamW there "
@@ -69,6 +84,9 @@ def _argument_fields() -> list[tuple]:
                 "HF_ZOFFLOAD_ENABLED, else the zoffload yaml's zero_offload (as `hf-zoffload "
                 "launch` passes them), else off.",
         "nargs": "?", "const": True}))]
+    out += [(f"zero_offload_{name}", bool, field(default=False, metadata={
+        "help": "ZeRO-Offload Trainer: " + why, "nargs": "?", "const": True}))
+        for name, why in TRAINER_OPTIONS.items()]
     for f in dataclasses.fields(ZeroOffloadPlugin):
         kind = _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
         meta = {"help": "ZeRO-Offload: " + ZeroOffloadPlugin.help(f.name)
@@ -89,12 +107,13 @@ def check_argv(argv: list[str]) -> None:
     """Refuse an unknown ``--zero_offload_<name>`` on a command line before parsing, naming
     the closest setting (HfArgumentParser would list it among unused arguments, or take a
     prefix of a real one for it)."""
-    options = {f"--zero_offload_{n}" for n in ZeroOffloadPlugin.names()} | {"--zero_offload"}
+    options = {f"--zero_offload_{n}" for n in [*ZeroOffloadPlugin.names(), *TRAINER_OPTIONS]}
+    options.add("--zero_offload")
     for token in argv:
         option = token.split("=", 1)[0].replace("-", "_")
         if option.startswith("__zero_offload_") and "--" + option[2:] not in options:
             option = "--" + option[2:]
-            raise ValueError(f"unknown option {option}; the --zero_offload_<setting> options "
+            raise ValueError(f"unknown option {option}; the --zero_offload_<name> options "
                              f"are: {', '.join(sorted(options))}{closest(option, options)}")
 
 
@@ -183,10 +202,11 @@ def _check_off(self, said_off: bool) -> None:
     HF_ZOFFLOAD_ENABLED=false, the sidecar's zero_offload: false: a script that sets its
     offload settings in code, launched with offload off), they are unused: said once."""
     given = _given(self)
-    if not given:
+    turned_on = [n for n in TRAINER_OPTIONS if getattr(self, f"zero_offload_{n}")]
+    if not given and not turned_on:
         return
     check_values(given, lambda name: f"--zero_offload_{name}")
-    names = ", ".join(f"--zero_offload_{n}" for n in given)
+    names = ", ".join(f"--zero_offload_{n}" for n in [*given, *turned_on])
     if not said_off:
         raise ValueError(f"{names} set, but ZeRO-Offload is off: add --zero_offload (or "
                          "zero_offload=True) to use it, or drop the setting")
@@ -194,7 +214,17 @@ def _check_off(self, said_off: bool) -> None:
                    "sidecar's zero_offload: false): %s not used", names)
 
 
+def _check_trainer_options(self) -> None:
+    """The Trainer-only options are bools: a string such as "false" would read as on."""
+    for name in TRAINER_OPTIONS:
+        value = getattr(self, f"zero_offload_{name}")
+        if not isinstance(value, bool):
+            raise ValueError(f"--zero_offload_{name}: {value!r} is not allowed; allowed: "
+                             "True, False")
+
+
 def _post_init(self) -> None:
+    _check_trainer_options(self)
     # Checked with or without offload: TrainingArguments rejects the pair too, but on a
     # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
     if self.fp16 and self.bf16:
@@ -253,10 +283,10 @@ ZeroOffloadTrainingArguments = make_dataclass(
         "__post_init__": _post_init,
         "get_process_log_level": _get_process_log_level,
         "zero_offload_plugin": _zero_offload_plugin,
-        "__doc__": "TrainingArguments plus `zero_offload` and one `zero_offload_<knob>` per "
+        "__doc__": "TrainingArguments plus `zero_offload`, one `zero_offload_<knob>` per "
                    "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "
-                   "default). --fp16 / --bf16 choose the compute dtype, --max_grad_norm the "
-                   "clip norm.",
+                   "default) and the Trainer's own `zero_offload_log_history_extras`. --fp16 "
+                   "/ --bf16 choose the compute dtype, --max_grad_norm the clip norm.",
     },
 )
 # make_dataclass(module=) is 3.12+. Named by the module it is imported from, so that

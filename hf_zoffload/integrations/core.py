@@ -69,7 +69,6 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
-        self.seen: set[str] = set()  # timings the engine reports (copy times: CUDA only)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -80,9 +79,8 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         synced = self.gradient_state.sync_gradients
         out = super().step(closure)
         if synced:
-            for k in TIMINGS:
+            for k in TIMINGS:  # the copy times are reported on CUDA only
                 if k in self.optimizer.timings:
-                    self.seen.add(k)
                     if not (k == "fwd_bwd" and self.first):
                         self.window[k] += self.optimizer.timings[k]
                         self.counts[k] += 1
@@ -91,9 +89,11 @@ class OffloadedOptimizer(AcceleratedOptimizer):
 
     def take_window(self) -> dict:
         """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
-        time between two optimizer steps: forward, backward and the loop's own work."""
-        out = {f"{k}_ms": round(1e3 * v / max(self.counts[k], 1), 3)
-               for k, v in self.window.items() if k in self.seen}
+        time between two optimizer steps: forward, backward and the loop's own work. A timing
+        no step of the window measured is left out, not given as 0: the first step has no
+        ``fwd_bwd`` (no step before it to time from), so a window of that step alone has none."""
+        out = {f"{k}_ms": round(1e3 * v / self.counts[k], 3)
+               for k, v in self.window.items() if self.counts[k]}
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         return out

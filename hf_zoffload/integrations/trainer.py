@@ -45,23 +45,21 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import logging
 import os
 import warnings
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
-from . import core, parallel
+from . import completeness, core, parallel
 from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
 
 logger = logging.getLogger(__name__)
@@ -129,7 +127,7 @@ class ZeroOffloadTrainer(Trainer):
         if self.is_fsdp_enabled:
             raise ValueError("zero_offload=True and an FSDP accelerate config cannot be "
                              "combined; launch without FSDP")
-        self._memory_logged = False
+        self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
 
     # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
@@ -222,65 +220,31 @@ class ZeroOffloadTrainer(Trainer):
             self.optimizer = core.OffloadedOptimizer(engine)
         return self.optimizer
 
-    # A checkpoint is whole once this file is there: written last, atomically, with every
-    # other file's size. get_last_checkpoint (resume_from_checkpoint=True) takes the highest
-    # checkpoint-N whole or not, and the stock load skips a missing optimizer.pt or
-    # rng_state.pth without a word. Sizes, not checksums: a killed process loses no data it
-    # wrote (the page cache outlives it); a machine crash can, and leaves files short or empty.
-    COMPLETE_NAME = "zero_offload_complete.json"
+    # A checkpoint is whole once its marker is there, written last (completeness.py says
+    # what the check before a resume verifies, and why it is needed).
+    COMPLETE_NAME = completeness.COMPLETE_NAME
 
     def _save_checkpoint(self, model, trial) -> None:
         if not self.zero_offload:
             return super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial),
                               f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        marker = os.path.join(folder, self.COMPLETE_NAME)
-        if self.args.should_save:  # a re-save into this folder starts unmarked
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(marker)
+        if self.args.should_save:
+            completeness.remove_marker(folder)
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()  # every rank's rng_state_<rank>.pth is written
         if self.args.should_save:
-            sizes = {os.path.relpath(os.path.join(d, n), folder): os.path.getsize(
-                os.path.join(d, n)) for d, _, names in os.walk(folder) for n in names
-                if not n.startswith(self.COMPLETE_NAME)}
-            with open(marker + ".tmp", "w") as f:
-                json.dump({"files": sizes}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(marker + ".tmp", marker)
-
-    @classmethod
-    def _why_incomplete(cls, folder: str) -> str | None:
-        """Why ``folder`` is not a whole checkpoint, or None."""
-        try:
-            with open(os.path.join(folder, cls.COMPLETE_NAME)) as f:
-                sizes = json.load(f)["files"]
-        except FileNotFoundError:
-            # Saved without offload, or killed after the Trainer's last file (trainer_state.json)
-            # and before the marker: whole if the files a resume reads are there.
-            names = os.listdir(folder)
-            missing = [n for n in (OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, "rng_state")
-                       if not any(have.startswith(n) for have in names)]
-            return f"no {cls.COMPLETE_NAME} and no {', '.join(missing)}" if missing else None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{cls.COMPLETE_NAME} is unreadable ({e})"
-        for name, size in sizes.items():
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                return f"{name} is missing"
-            if os.path.getsize(path) != size:
-                return f"{name} has {os.path.getsize(path)} bytes, {size} were saved"
-        return None
+            completeness.write_marker(folder, model_only=self.args.save_only_model)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
-        why = self._why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) else None
+        why = completeness.why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) \
+            else None
         if why:
             parent = os.path.dirname(os.path.abspath(ckpt))
             whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
-                c, ckpt) and self._why_incomplete(c) is None]
+                c, ckpt) and completeness.why_incomplete(c) is None]
             raise ValueError(
                 f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
                 + (f"The newest complete checkpoint is {whole[0]}: resume from it, or delete "
@@ -357,22 +321,52 @@ class ZeroOffloadTrainer(Trainer):
             self.engine.flush()
         return super().evaluate(*args, **kwargs)
 
+    # ------------------------------------------------- logs
+    # state.log_history stays the stock Trainer's (the same entries with the same keys): code
+    # that reads it (best checkpoint, a resumed run's history against the uninterrupted one,
+    # [h["loss"] for h in log_history[:-1]]) runs unchanged. The offload figures (the memory
+    # report, the loss scale, the skipped steps, the time split) ride on the entry's
+    # ``on_log``: the printed log line and the reporting integrations (TensorBoard, W&B, ...)
+    # get them; log_history keeps them only with --zero_offload_log_history_extras.
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        engine = self.engine
-        if engine is not None and "loss" in logs:  # a training-step entry
+        extras = self._log_extras(logs) if self.engine is not None else {}
+        extras = {k: v for k, v in extras.items() if k not in logs}  # the caller's own win
+        if not extras:
+            return super().log(logs, *args, **kwargs)
+        logs.update(extras)
+        first_new = len(self.state.log_history)
+        super().log(logs, *args, **kwargs)  # appends {**logs, "step": ...}, then on_log(logs)
+        keep = getattr(self.args, "zero_offload_log_history_extras", False)
+        if not keep and len(self.state.log_history) > first_new:
+            entry = self.state.log_history[first_new]
+            for key in extras:
+                entry.pop(key, None)
+
+    def _log_extras(self, logs: dict) -> dict:
+        """What an entry carries beyond the stock keys: the memory figures on the first entry
+        logged after training began, and on each training-step entry (it has ``loss``) the
+        loss scale (fp16), the skipped steps so far and the window's mean time split."""
+        out, self._memory_figures = self._memory_figures or {}, None
+        if "loss" in logs:
+            engine = self.engine
             if engine.loss_scaler.is_enabled():
-                logs["loss_scale"] = engine.loss_scaler.loss_scale
-            logs["skipped_steps"] = engine.skipped_steps
-            logs.update(self.optimizer.take_window())
-        super().log(logs, *args, **kwargs)
+                out["loss_scale"] = engine.loss_scaler.loss_scale
+            out["skipped_steps"] = engine.skipped_steps
+            out.update(self.optimizer.take_window())
+        return out
 
     def _log_memory_report(self) -> None:
+        """The engine's model-state memory, once: the table to the logger at INFO (where the
+        Trainer's own account of a run goes; a warning would say something is wrong), and
+        three figures on the first entry logged (`_log_extras`): the printed log line shows
+        them at any log level, and the integrations record them."""
         engine = self.engine
         if engine is None or self._memory_logged:
             return
         self._memory_logged = True
         report = engine.memory_report()
         logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
-        self.log({"offload_device_mib": round(report["device_total"] / 2**20, 3),
-                  "offload_host_mib": round(report["host_total"] / 2**20, 3),
-                  "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)})
+        self._memory_figures = {
+            "offload_device_mib": round(report["device_total"] / 2**20, 3),
+            "offload_host_mib": round(report["host_total"] / 2**20, 3),
+            "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)}

@@ -11,6 +11,7 @@ checkpoint) instead of one after another: both rounds took 100 s on 2 busy cores
 CPU), against ~195 s in a row.
 """
 
+import functools
 import json
 import os
 import random
@@ -25,8 +26,10 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel, PreTrainedModel
 from transformers.trainer_utils import get_last_checkpoint
 
+from hf_zoffload.integrations.completeness import why_incomplete, write_marker
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
 from tests.acceptance.test_run_clm import ROOT, offline_env
@@ -288,3 +291,133 @@ def test_checkpoint_killed_after_its_last_file_still_resumes(run_copy):
     (out / "checkpoint-2" / MARKER).unlink()
     resumed = _train(out, resume=str(out / "checkpoint-2"))
     assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+# ------------------------------------------------------- sharded weights (issue 24, item 2)
+# How a tiny model gets saved as shards: in transformers 5.x Trainer._save calls
+# model.save_pretrained(output_dir, state_dict=..., is_main_process=...) without
+# max_shard_size, so PreTrainedModel.save_pretrained's default (50GB) decides; the offload
+# path's per-instance save_pretrained (core._save_pretrained) calls the class's. A class
+# default of 40KB splits the tiny GPT-2's ~120 KB of fp32 weights into shards and
+# model.safetensors.index.json, as max_shard_size does for a model of billions of params.
+INDEX = "model.safetensors.index.json"
+
+
+def _shard_saves(mp) -> None:
+    mp.setattr(GPT2LMHeadModel, "save_pretrained", functools.partialmethod(
+        PreTrainedModel.save_pretrained, max_shard_size="40KB"))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+            mp.delenv(key)
+        _shard_saves(mp)
+        logs = _train(out)
+    return logs, out
+
+
+@pytest.fixture
+def sharded_copy(sharded_run, tmp_path, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+    _shard_saves(monkeypatch)  # the resumed runs save sharded too
+    shutil.copytree(sharded_run[1], tmp_path, dirs_exist_ok=True)
+    return sharded_run[0], tmp_path
+
+
+def _shards(ckpt: Path) -> list[Path]:
+    return sorted(ckpt.glob("model-*-of-*.safetensors"))
+
+
+def test_sharded_checkpoint_resumes_like_an_unsharded_one(full_run, sharded_copy):
+    full, _ = full_run
+    sharded, out = sharded_copy
+    ckpt = out / "checkpoint-2"
+    shards = _shards(ckpt)
+    assert len(shards) >= 2 and (ckpt / INDEX).is_file()
+    assert not (ckpt / "model.safetensors").exists()  # the resume reads the shards
+    named = set(json.loads((ckpt / INDEX).read_text())["weight_map"].values())
+    assert named == {p.name for p in shards}
+    sizes = json.loads((ckpt / MARKER).read_text())["files"]
+    assert all(sizes[p.name] == p.stat().st_size for p in shards) and INDEX in sizes
+    assert sharded == full  # how the weights are saved changes nothing in the run
+
+    resumed = _train(out, resume=str(ckpt))
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]  # bit for bit
+    # saved by the stock Trainer (no marker), or killed between the last file and it: whole
+    (ckpt / MARKER).unlink()
+    resumed = _train(out, resume=str(ckpt))
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def _second_shard(c: Path) -> Path:
+    return _shards(c)[1]
+
+
+def _killed_while_writing_shards(c: Path) -> None:
+    # save_pretrained writes the index after the last shard; the Trainer's files come after
+    for name in (INDEX, "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                 MARKER):
+        (c / name).unlink()
+    _second_shard(c).unlink()
+
+
+SHARD = r"model-00002-of-\d{5}\.safetensors"
+# What a save cut short (a kill, or a machine crash: files short or gone) leaves of a sharded
+# checkpoint-4; the second group has no marker, as a save killed before it.
+SHARDED_BREAKS = {
+    "a shard missing": (lambda c: _second_shard(c).unlink(), rf"{SHARD} is missing"),
+    "a shard cut short": (lambda c: _cut_short(_second_shard(c)),
+                          rf"{SHARD} has \d+ bytes, \d+ were saved"),
+    "the index missing": (lambda c: (c / INDEX).unlink(), rf"{INDEX} is missing"),
+    "no marker, a shard missing": (
+        lambda c: [(c / MARKER).unlink(), _second_shard(c).unlink()],
+        rf"no {MARKER} and no {SHARD} \(named by {INDEX}\)"),
+    "no marker, the index missing": (
+        lambda c: [(c / MARKER).unlink(), (c / INDEX).unlink()],
+        rf"no {MARKER} and no {INDEX} \(\d+ shards, such as model-00001-of-\d{{5}}"
+        r"\.safetensors, are there\)"),
+    "no marker, the index cut short": (
+        lambda c: [(c / MARKER).unlink(), _cut_short(c / INDEX)], rf"{INDEX} is unreadable \(.+\)"),
+    "killed while writing the shards": (
+        _killed_while_writing_shards,
+        rf"no {MARKER} and no {INDEX} \(\d+ shards, such as .*, are there\), optimizer.pt, "
+        r"scheduler.pt, rng_state.pth, trainer_state.json"),
+    "no marker, trainer_state.json cut short": (
+        lambda c: [(c / MARKER).unlink(), _cut_short(c / "trainer_state.json")],
+        rf"no {MARKER} and trainer_state.json is unreadable \(.+\)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SHARDED_BREAKS))
+def test_a_sharded_checkpoint_cut_short_is_refused(sharded_copy, kind):
+    full, out = sharded_copy
+    brk, why = SHARDED_BREAKS[kind]
+    brk(out / "checkpoint-4")
+
+    model = tiny_gpt2()
+    # checkpoint-2, sharded and whole, is the one named
+    with pytest.raises(ValueError, match=rf"checkpoint-4 is incomplete \({why}\): its save was "
+                       rf"interrupted. The newest complete checkpoint is .*checkpoint-2"):
+        _train(out, resume=True, model=model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 tiny_gpt2().state_dict().values()))
+    resumed = _train(out, resume=str(out / "checkpoint-2"))
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def test_a_model_only_save_needs_no_optimizer_state(run_copy):
+    # save_only_model=True writes the weights and trainer_state.json only; its marker says
+    # so, and a resume (stock: a fresh optimizer) is not refused as interrupted. The same
+    # files under a marker of a full save are.
+    _, out = run_copy
+    ckpt = out / "checkpoint-4"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (ckpt / name).unlink()
+    write_marker(str(ckpt), model_only=True)
+    assert why_incomplete(str(ckpt)) is None
+    write_marker(str(ckpt), model_only=False)
+    assert why_incomplete(str(ckpt)) == "optimizer.pt is missing"

@@ -211,7 +211,9 @@ def _clm(tmp_path, name, argv, *, ranks=1):
            "--max_eval_samples", "8", "--do_train", "--do_eval", "--zero_offload",
            "--max_steps", "4", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
            "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy",
-           "no", "--logging_steps", "1", "--output_dir", str(out)]
+           "no", "--logging_steps", "1", "--output_dir", str(out),
+           # the memory figures in log_history: on its first entry (off: the stock entries)
+           "--zero_offload_log_history_extras"]
     env = offline_env()
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -92,7 +92,9 @@ def _train(tmp_path, kind, *, resume=None, max_steps=3):
         kw[precision] = True
     if who == "offload":
         kw.update(FP16 if precision == "fp16" else {})
-        return run(tmp_path, gpt2(), offload=True, resume=resume, **kw)
+        # loss_scale in the log entries (the test below reads the resumed run's first)
+        return run(tmp_path, gpt2(), offload=True, resume=resume,
+                   zero_offload_log_history_extras=True, **kw)
     return run(tmp_path, gpt2(), resume=resume, **kw)
 
 

@@ -13,6 +13,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     get_scheduler,
 )
@@ -49,7 +50,8 @@ COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_
               report_to=[], use_cpu=True, seed=0, disable_tqdm=True, optim="adamw_torch")
 
 
-def run(tmp_path, model, *, offload=None, trainer_cls=None, data=None, resume=None, **kw):
+def run(tmp_path, model, *, offload=None, trainer_cls=None, data=None, resume=None,
+        callbacks=None, **kw):
     """Train; return (trainer, [per-step log entries])."""
     opts = dict(COMMON, output_dir=str(tmp_path), **kw)
     if offload is None:
@@ -57,7 +59,8 @@ def run(tmp_path, model, *, offload=None, trainer_cls=None, data=None, resume=No
     else:
         args = ZeroOffloadTrainingArguments(zero_offload=offload, **opts)
         trainer_cls = trainer_cls or ZeroOffloadTrainer
-    trainer = trainer_cls(model=model, args=args, train_dataset=data or Tokens())
+    trainer = trainer_cls(model=model, args=args, train_dataset=data or Tokens(),
+                          callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, [e for e in trainer.state.log_history if "loss" in e]
 
@@ -186,26 +189,96 @@ def test_resume_continues_the_same_run(tmp_path, precision):
 
 
 # ------------------------------------------------------------------------ logging, scaler
+class OnLog(TrainerCallback):
+    """What each ``on_log`` received (the channel of the printed line and of report_to)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+STEP_EXTRAS = ("skipped_steps", "fwd_bwd_ms", "grad_wait_ms", "cpu_adam_ms", "upload_host_ms")
+MEMORY = ("offload_device_mib", "offload_host_mib", "plain_adamw_device_mib")
+WALL_CLOCK = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
 def test_logs_scale_skips_time_split_and_memory(tmp_path, caplog):
     caplog.set_level("INFO", logger="hf_zoffload")
     # 2**40 overflows fp16 grads: the first step is skipped and the scale backs off to 2**10,
     # which the later steps survive.
+    on_log = OnLog()
     trainer, logs = run(tmp_path, gpt2(), offload=True, fp16=True, max_steps=4,
                         zero_offload_init_scale=2.0**40, zero_offload_hysteresis=1,
-                        zero_offload_backoff_factor=2.0**-30)
+                        zero_offload_backoff_factor=2.0**-30, callbacks=[on_log])
     assert trainer.accelerator.scaler is trainer.engine.loss_scaler
-    first = logs[0]
-    for key in ("loss_scale", "skipped_steps", "fwd_bwd_ms", "grad_wait_ms", "cpu_adam_ms",
-                "upload_host_ms"):
+    steps = [e for e in on_log.seen if "loss" in e]
+    assert len(steps) == len(logs) == 4
+    first = steps[0]
+    for key in ("loss_scale", "skipped_steps", "grad_wait_ms", "cpu_adam_ms", "upload_host_ms",
+                *MEMORY):
         assert key in first, key
     assert first["skipped_steps"] == 1 and first["loss_scale"] == 2.0**10
     assert not math.isfinite(first["grad_norm"])
-    assert [e["skipped_steps"] for e in logs] == [1, 1, 1, 1]
+    assert [e["skipped_steps"] for e in steps] == [1, 1, 1, 1]
+    # the first step has no step before it to time fwd_bwd from: left out, not logged as 0
+    assert "fwd_bwd_ms" not in first and all(e["fwd_bwd_ms"] > 0 for e in steps[1:])
+    assert first["plain_adamw_device_mib"] > first["offload_device_mib"]
+    assert not any(k in e for e in steps[1:] for k in MEMORY)  # once
+    assert "plain AMP AdamW would need" in caplog.text  # the table, at INFO
+    # log_history: none of it (test_log_history_is_the_stock_trainers: exactly the stock keys)
+    assert not any(k in e for e in trainer.state.log_history
+                   for k in ("loss_scale", *STEP_EXTRAS, *MEMORY))
+    assert len(trainer.state.log_history) == len(on_log.seen) == 5  # 4 steps, the summary
     # the scheduler held on the skipped step: step 2 uses the warm-up's first lr again
     assert logs[1]["learning_rate"] == logs[0]["learning_rate"] < logs[2]["learning_rate"]
-    mem = [e for e in trainer.state.log_history if "offload_host_mib" in e]
-    assert len(mem) == 1 and mem[0]["plain_adamw_device_mib"] > mem[0]["offload_device_mib"]
-    assert "plain AMP AdamW would need" in caplog.text
+
+
+def _same_history(got, ref):
+    """The same entries with the same keys in the same order; values equal, but losses and
+    norms within fp32 rounding (test_fp32_matches_stock_adamw) and wall-clock figures free."""
+    assert [list(e) for e in got] == [list(e) for e in ref]
+    for g, r in zip(got, ref):
+        for key in g:
+            if key in ("loss", "grad_norm", "train_loss"):
+                assert g[key] == pytest.approx(r[key], rel=1e-5), (key, g, r)
+            elif key not in WALL_CLOCK:
+                assert g[key] == r[key], (key, g, r)
+
+
+def test_log_history_is_the_stock_trainers(tmp_path):
+    """Code that reads log_history (the best checkpoint, a resumed run's history against the
+    uninterrupted one, [h["loss"] for h in log_history[:-1]]) gets the stock Trainer's."""
+    kw = dict(save_strategy="steps", save_steps=3)
+    stock, _ = run(tmp_path / "stock", gpt2(), **kw)
+    offload, _ = run(tmp_path / "offload", gpt2(), offload=True, **kw)
+    assert len(offload.state.log_history) == COMMON["max_steps"] + 1  # + the summary
+    _same_history(offload.state.log_history, stock.state.log_history)
+    assert [h["loss"] for h in offload.state.log_history[:-1]] == pytest.approx(
+        [h["loss"] for h in stock.state.log_history[:-1]], rel=1e-5)
+
+    # Each resumed from its own checkpoint at step 3: no entry added by the resume.
+    stock_r, _ = run(tmp_path / "stock_r", gpt2(), resume=str(tmp_path / "stock" / "checkpoint-3"),
+                     **kw)
+    offload_r, _ = run(tmp_path / "offload_r", gpt2(), offload=True,
+                       resume=str(tmp_path / "offload" / "checkpoint-3"), **kw)
+    _same_history(offload_r.state.log_history, stock_r.state.log_history)
+    # and the resumed history is the uninterrupted one's, bit for bit but for the summary
+    # (the entries read back from trainer_state.json have their keys sorted, stock too)
+    got, want = offload_r.state.log_history, offload.state.log_history
+    assert [set(e) for e in got] == [set(e) for e in want]
+    assert got[:-1] == want[:-1]
+
+
+def test_log_history_extras_keep_what_on_log_got(tmp_path):
+    on_log = OnLog()
+    trainer, logs = run(tmp_path, gpt2(), offload=True, max_steps=3, callbacks=[on_log],
+                        zero_offload_log_history_extras=True)
+    history = trainer.state.log_history
+    assert history == [{**e, "step": h["step"]} for e, h in zip(on_log.seen, history)]
+    assert len(history) == len(on_log.seen) == 4
+    assert all(k in logs[0] for k in MEMORY) and all("fwd_bwd_ms" in e for e in logs[1:])
 
 
 # ------------------------------------------------------------------------ arguments
@@ -277,6 +350,36 @@ def test_unknown_zero_offload_option_names_the_closest(tmp_path):
             check_argv(["--output_dir", "x", bad])
     with pytest.raises(ValueError, match="unknown option --zero_offload_state_dtypes"):
         check_argv(["--zero_offload_state_dtypes", "bf16"])
+
+
+def test_log_history_extras_is_a_trainer_option(tmp_path, monkeypatch):
+    from hf_zoffload.integrations.trainer import check_argv
+
+    parser = HfArgumentParser(ZeroOffloadTrainingArguments)
+    base = ["--output_dir", str(tmp_path), "--zero_offload", "--use_cpu"]
+    check_argv([*base, "--zero_offload_log_history_extras"])  # known to the typo check
+    for extra, want in (([], False), (["--zero_offload_log_history_extras"], True),
+                        (["--zero_offload_log_history_extras", "false"], False)):
+        (args,) = parser.parse_args_into_dataclasses(args=[*base, *extra])
+        assert args.zero_offload_log_history_extras is want, extra
+    assert "--zero_offload_log_history_extras" in parser.format_help()
+    with pytest.raises(ValueError, match=r"^--zero_offload_log_history_extras: 'false' is not "
+                                         r"allowed; allowed: True, False$"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True,
+                                     zero_offload_log_history_extras="false")
+    # not an engine setting: no variable of its own (HF_ZOFFLOAD_* names only settings)
+    monkeypatch.setenv("HF_ZOFFLOAD_LOG_HISTORY_EXTRAS", "true")
+    with pytest.raises(ValueError, match="unknown environment variable "
+                                         "HF_ZOFFLOAD_LOG_HISTORY_EXTRAS"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), zero_offload=True, use_cpu=True)
+    monkeypatch.delenv("HF_ZOFFLOAD_LOG_HISTORY_EXTRAS")
+    # with offload off it would do nothing: refused, as a --zero_offload_<setting> is
+    monkeypatch.delenv("HF_ZOFFLOAD_ENABLED", raising=False)
+    monkeypatch.delenv("HF_ZOFFLOAD_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="--zero_offload_log_history_extras set, but "
+                                         "ZeRO-Offload is off"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                     zero_offload_log_history_extras=True)
 
 
 def test_bad_state_dtype_argument(tmp_path):
