@@ -473,7 +473,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.exchange.attach([], self._check, None)
         progress = Progress(logger, "moving the host state into gradient arrival order",
                             sum(sum(b.state.nbytes().values()) for b in self.buckets),
-                            detail=f"{len(self.buckets)} buckets, once, after the first step")
+                            detail=f"{_buckets(len(self.buckets))}, once, after the first step")
         with host_threads(self.cpu_threads):
             pool, buckets = relayout(
                 self.buckets, order, exchange=self.exchange, dtype=self.dtype,
@@ -482,7 +482,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.order.fill = order
         self._install(pool, buckets)
         self._reset_window()
-        self.order.relayout_seconds = progress.done(f"{len(buckets)} buckets now")
+        self.order.relayout_seconds = progress.done(f"{_buckets(len(buckets))} now")
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -529,3 +529,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
         structure (see `memory.engine_report`)."""
         return engine_report(self)
+
+
+def _buckets(n: int) -> str:
+    return f"{n} bucket{'' if n == 1 else 's'}"
