@@ -268,7 +268,12 @@ def test_resume_true_refuses_a_broken_newest_checkpoint(run_copy, kind):
     full, out = run_copy
     brk, why = BREAKS[kind]
     brk(out / "checkpoint-4")
+    _refused_then_resumed_from_the_one_named(full, out, why)
 
+
+def _refused_then_resumed_from_the_one_named(full, out, why) -> None:
+    """resume=True refuses checkpoint-4, naming checkpoint-2, before the model changed; a
+    resume from checkpoint-2 then logs the uninterrupted run's losses."""
     model = tiny_gpt2()
     with pytest.raises(ValueError, match=rf"checkpoint-4 is incomplete \({why}\): its save was "
                        rf"interrupted. The newest complete checkpoint is .*checkpoint-2"):
@@ -276,7 +281,6 @@ def test_resume_true_refuses_a_broken_newest_checkpoint(run_copy, kind):
     # refused before the checkpoint's weights were loaded: still the seeded initial ones
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  tiny_gpt2().state_dict().values()))
-
     resumed = _train(out, resume=str(out / "checkpoint-2"))  # the one the error named
     assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
 
@@ -397,16 +401,7 @@ def test_a_sharded_checkpoint_cut_short_is_refused(sharded_copy, kind):
     full, out = sharded_copy
     brk, why = SHARDED_BREAKS[kind]
     brk(out / "checkpoint-4")
-
-    model = tiny_gpt2()
-    # checkpoint-2, sharded and whole, is the one named
-    with pytest.raises(ValueError, match=rf"checkpoint-4 is incomplete \({why}\): its save was "
-                       rf"interrupted. The newest complete checkpoint is .*checkpoint-2"):
-        _train(out, resume=True, model=model)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 tiny_gpt2().state_dict().values()))
-    resumed = _train(out, resume=str(out / "checkpoint-2"))
-    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+    _refused_then_resumed_from_the_one_named(full, out, why)  # checkpoint-2: sharded, whole
 
 
 def test_a_model_only_save_needs_no_optimizer_state(run_copy):
