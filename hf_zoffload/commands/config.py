@@ -41,7 +41,8 @@ def default_accelerate_config() -> str:
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("config", help=description, description=description)
+    p = subparsers.add_parser("config", help=description, description=description,
+                              allow_abbrev=False)
     p.add_argument("--config_file", default=None,
                    help="accelerate's yaml to write (default: accelerate's default config file); "
                         "the sidecar goes beside it.")

@@ -26,7 +26,8 @@ def parse_count(text: str) -> int:
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("estimate", help=description, description=description)
+    p = subparsers.add_parser("estimate", help=description, description=description,
+                              allow_abbrev=False)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="trainable parameter count: 7B, 124M, 1.5e9, ...")
     src.add_argument("--model", help="a local config.json or model folder, or a hub name "

@@ -43,6 +43,9 @@ def _accelerate_parser():
     # that holds two tokens or more, which `hf-zoffload launch --help` always does (it hid
     # --config_file, --cpu and --multi_gpu): show them all.
     parser.formatter_class = argparse.HelpFormatter
+    # No abbreviations (as every hf-zoffload parser): `--zoffload x` would parse here as
+    # --zoffload_config, yet _strip_own only removes the full name, so accelerate would get it.
+    parser.allow_abbrev = False
     ours = parser.add_argument_group("hf-zoffload")
     ours.add_argument("--zoffload_config", default=None, help=SIDECAR_HELP)
     return parser

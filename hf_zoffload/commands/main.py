@@ -13,8 +13,11 @@ from hf_zoffload.commands import config, env, estimate, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations, here and in every subcommand's parser: with them `estimate --config x`
+    # was silently read as --config_overrides; an unknown option must be an error naming it.
     parser = argparse.ArgumentParser(
-        "hf-zoffload", description="ZeRO-Offload for the Hugging Face stack.")
+        "hf-zoffload", description="ZeRO-Offload for the Hugging Face stack.",
+        allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"hf-zoffload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{config,launch,env,estimate}")

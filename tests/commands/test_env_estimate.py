@@ -241,3 +241,30 @@ def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
     assert "needs --model or --model_type" in capsys.readouterr().out
     assert main(["estimate", "--model_type", "llama", "--tp_size", "3", "--num_gpus", "4"]) == 2
     assert "positive multiple of --tp_size" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ abbreviations
+@pytest.mark.parametrize("argv,unknown", [
+    (["estimate", "--model_type", "gpt2", "--config", "n_layer=2"],
+     "--config"),  # was --config_overrides
+    (["env", "--zoffload", "x.yaml"], "--zoffload"),  # was --zoffload_config
+    (["config", "--mixed", "bf16"], "--mixed"),  # was --mixed_precision
+    (["--vers", "env"], "--vers"),  # was --version
+])
+def test_abbreviated_options_are_errors_naming_them(argv, unknown, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and unknown in err
+
+
+def test_launch_refuses_an_abbreviated_option(capsys):
+    """`--zoffload x` would parse as --zoffload_config yet reach accelerate unstripped."""
+    from hf_zoffload.commands.launch import _accelerate_parser
+
+    with pytest.raises(SystemExit):
+        _accelerate_parser().parse_args(["--zoffload", "x.yaml", "train.py"])
+    assert "--zoffload" in capsys.readouterr().err
+    args = _accelerate_parser().parse_args(["--zoffload_config", "x.yaml", "train.py"])
+    assert args.zoffload_config == "x.yaml"
