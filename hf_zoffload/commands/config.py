@@ -41,8 +41,7 @@ def default_accelerate_config() -> str:
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("config", help=description, description=description,
-                              allow_abbrev=False)
+    p = subparsers.add_parser("config", help=description, description=description)
     p.add_argument("--config_file", default=None,
                    help="accelerate's yaml to write (default: accelerate's default config file); "
                         "the sidecar goes beside it.")

@@ -20,8 +20,7 @@ SIMD_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "f16c": "F16C", "avx512_bf1
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("env", help=description, description=description,
-                              allow_abbrev=False)
+    p = subparsers.add_parser("env", help=description, description=description)
     p.add_argument("--config_file", default=None,
                    help="accelerate's config, found as `hf-zoffload launch` finds it (default: "
                         "accelerate's default config file).")

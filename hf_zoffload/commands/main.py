@@ -12,14 +12,30 @@ from hf_zoffload import __version__
 from hf_zoffload.commands import config, env, estimate, launch
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: no abbreviations (with them `estimate --config x` was silently
+    read as --config_overrides), and an unknown option is refused by name before anything
+    else is parsed: otherwise its value could land in a positional (`estimate --config
+    n_layer=2` read n_layer=2 as the model) and the error would name the wrong thing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def parse_known_args(self, args=None, namespace=None):
+        for tok in (sys.argv[1:] if args is None else args):
+            if tok == "--":  # what follows is not options
+                break
+            if tok.startswith("--") and tok.split("=", 1)[0] not in self._option_string_actions:
+                self.error(f"unrecognized arguments: {tok}")
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    # No abbreviations, here and in every subcommand's parser: with them `estimate --config x`
-    # was silently read as --config_overrides; an unknown option must be an error naming it.
     parser = argparse.ArgumentParser(
         "hf-zoffload", description="ZeRO-Offload for the Hugging Face stack.",
-        allow_abbrev=False)
+        allow_abbrev=False)  # as SubcommandParser: `--vers` is not --version
     parser.add_argument("--version", action="version", version=f"hf-zoffload {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True,
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser,
                                 metavar="{config,launch,env,estimate}")
     for module in (config, launch, env, estimate):
         module.add_parser(sub)
