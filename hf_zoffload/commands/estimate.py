@@ -11,6 +11,7 @@ import os
 import re
 
 from ..config import STATE_DTYPES, parse_quantity, parse_size
+from .launch import SIDECAR_HELP, find_sidecar
 
 description = (
     "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
@@ -26,9 +27,13 @@ def parse_count(text: str) -> int:
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("estimate", help=description, description=description,
-                              allow_abbrev=False)
+    p = subparsers.add_parser("estimate", help=description, description=description)
     src = p.add_mutually_exclusive_group(required=True)
+    # The positional is --model under another name (dest model_path: sharing --model's dest,
+    # an absent positional would overwrite a given --model with None).
+    src.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="the same as --model: a local model folder with config.json, a "
+                          "config file, or a cached hub name")
     src.add_argument("--params", help="trainable parameter count: 7B, 124M, 1.5e9, ...")
     src.add_argument("--model", help="a local config.json or model folder, or a hub name "
                                      "already in the local cache (no network is used)")
@@ -53,34 +58,46 @@ def add_parser(subparsers):
                         "ZeRO-Offload config); the host verdict is printed for every mode")
     p.add_argument("--tp_size", type=int, default=1,
                    help="tensor-parallel size: the params the model's tp plan shards count "
-                        "1/tp per rank (needs --model or --model_type); --num_gpus / tp_size "
-                        "ranks share each shard as data parallel")
+                        "1/tp per rank (needs MODEL, --model or --model_type); --num_gpus / "
+                        "tp_size ranks share each shard as data parallel")
     p.add_argument("--grad_accumulation", action="store_true",
                    help="count the fp32 accumulation buffer of micro-step accumulation")
     p.add_argument("--json", action="store_true", help="print the figures as json, in bytes")
+    p.add_argument("--config_file", default=None,
+                   help="accelerate's config, to find the sidecar beside it as `hf-zoffload "
+                        "launch` and `env` do (default: accelerate's default config file)")
+    p.add_argument("--zoffload_config", default=None, help=SIDECAR_HELP)
     p.set_defaults(func=run)
     return p
+
+
+def _model(args) -> tuple[str | None, str]:
+    """(the model given, --model or the positional; the name to quote it by)."""
+    if args.model_path is not None:
+        return args.model_path, "MODEL"
+    return args.model, "--model"
 
 
 def _model_config(args):
     from transformers import CONFIG_MAPPING, AutoConfig
 
+    model, flag = _model(args)
     if args.model_type:
         if args.model_type not in CONFIG_MAPPING:
             raise ValueError(f"unknown --model_type {args.model_type!r}")
         cfg = CONFIG_MAPPING[args.model_type]()
-    elif os.path.isfile(args.model):  # a config.json
-        with open(args.model) as fh:
+    elif os.path.isfile(model):  # a config.json
+        with open(model) as fh:
             model_type = json.load(fh).get("model_type")
         if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"{args.model}: no known 'model_type' ({model_type!r})")
-        cfg = CONFIG_MAPPING[model_type].from_json_file(args.model)
+            raise ValueError(f"{model}: no known 'model_type' ({model_type!r})")
+        cfg = CONFIG_MAPPING[model_type].from_json_file(model)
     else:
         try:  # a folder, or a hub name that is already cached: never the network
-            cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+            cfg = AutoConfig.from_pretrained(model, local_files_only=True)
         except OSError as err:
             raise ValueError(
-                f"--model {args.model!r} is neither a local config nor in the local cache "
+                f"{flag} {model!r} is neither a local config nor in the local cache "
                 "(estimate never downloads); pass --model_type with --config_overrides, or "
                 "--params") from err
     if args.config_overrides:
@@ -137,23 +154,47 @@ def _fit(need: int, have: int | None) -> dict | None:
     return {"need": need, "have": have, "fits": need <= have, "headroom": have - need}
 
 
+# The settings the figures depend on, shown with where each came from.
+SHOWN_SETTINGS = ("state_dtype", "compute_dtype", "bucket_size_mb", "delayed_update",
+                  "pin_memory")
+FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype")
+
+
+def effective_plugin(args, environ=None):
+    """The ZeRO-Offload settings `env` calls effective (the sidecar found as `launch` finds
+    it, then HF_ZOFFLOAD_* variables), under this command's explicit flags; and
+    {setting: where its value came from} for SHOWN_SETTINGS."""
+    from hf_zoffload.config import CONFIG_ENV, ZeroOffloadPlugin, env_values, read_yaml
+
+    env = dict(os.environ if environ is None else environ)
+    sidecar = find_sidecar(zoffload_config=args.zoffload_config, config_file=args.config_file,
+                           environ=env)
+    if sidecar:
+        env[CONFIG_ENV] = sidecar
+    overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
+    plugin = ZeroOffloadPlugin.from_sources(environ=env, **overrides)
+    from_yaml = read_yaml(sidecar, named_by=CONFIG_ENV) if sidecar else {}
+    from_env = env_values(env)
+    where = {}
+    for k in SHOWN_SETTINGS:  # highest precedence first, as from_sources merges them
+        where[k] = ("--" + k if k in overrides else f"HF_ZOFFLOAD_{k.upper()}"
+                    if k in from_env else sidecar if k in from_yaml else "default")
+    return plugin, where
+
+
 def compute(args) -> dict:
-    from hf_zoffload.config import ZeroOffloadPlugin
     from hf_zoffload.offload.memory import estimate
 
-    overrides = {k: getattr(args, k) for k in ("compute_dtype", "bucket_size_mb",
-                                               "delayed_update", "state_dtype")
-                 if getattr(args, k) is not None}
     # Sizes first: a typo there fails before a model is built from its config.
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if args.gpu_memory else None
     host = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
-    plugin = ZeroOffloadPlugin.from_sources(**overrides)
+    plugin, where = effective_plugin(args)
     if args.num_gpus < 1 or args.tp_size < 1 or args.num_gpus % args.tp_size:
         raise ValueError(f"--num_gpus ({args.num_gpus}) must be a positive multiple of "
                          f"--tp_size ({args.tp_size})")
     tp = args.tp_size
     if tp > 1 and args.params:
-        raise ValueError("--tp_size needs --model or --model_type: which params are sharded "
+        raise ValueError("--tp_size needs MODEL, --model or --model_type: which params are sharded "
                          "comes from the model's tensor-parallel plan")
     split = None
     if tp > 1:
@@ -176,8 +217,9 @@ def compute(args) -> dict:
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
     modes = {m: report_for(m)["host_total"] * args.num_gpus for m in STATE_DTYPES}
+    settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
     return {
-        "report": report, "num_gpus": args.num_gpus, "tp_size": tp, "tp_split": split,
+        "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp, "tp_split": split,
         "host_total_all_ranks": host_all,
         "fits": {"gpu_zero_offload": _fit(report["device_total"], gpu),
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
@@ -185,6 +227,12 @@ def compute(args) -> dict:
         "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host)}
                                 for m, v in modes.items()},
     }
+
+
+def format_settings(result: dict) -> str:
+    """One line: each setting the figures used, and where it came from."""
+    return "settings: " + ", ".join(f"{k}={s['value']} ({s['from']})"
+                                    for k, s in result["settings"].items())
 
 
 def format_fits(result: dict) -> str:
@@ -232,5 +280,6 @@ def run(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         text = format_fits(result)
-        print(format_report(result["report"]) + ("\n" + text if text else ""))
+        print(format_settings(result) + "\n" + format_report(result["report"])
+              + ("\n" + text if text else ""))
     return 0

@@ -14,9 +14,15 @@ TINY_GPT2 = "n_layer=2,n_embd=64,n_head=2,vocab_size=1000,n_positions=128"
 
 
 @pytest.fixture(autouse=True)
-def no_zoffload_env(monkeypatch):
+def no_zoffload_env(monkeypatch, tmp_path):
     for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
         monkeypatch.delenv(key)
+    # env and estimate look for a sidecar beside accelerate's default config: not this
+    # machine's.
+    import accelerate.commands.config.config_args as config_args
+
+    monkeypatch.setattr(config_args, "default_config_file",
+                        str(tmp_path / "accelerate" / "default_config.yaml"))
 
 
 def _json(capsys, *argv):
@@ -238,7 +244,7 @@ def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
     assert r["report"]["device"]["params"] == 2 * per_rank
     assert r["report"]["host"]["master"] == 4 * per_rank // 2  # data parallel 2 shares it
     assert main(["estimate", "--params", "7B", "--tp_size", "2", "--num_gpus", "2"]) == 2
-    assert "needs --model or --model_type" in capsys.readouterr().out
+    assert "needs MODEL, --model or --model_type" in capsys.readouterr().out
     assert main(["estimate", "--model_type", "llama", "--tp_size", "3", "--num_gpus", "4"]) == 2
     assert "positive multiple of --tp_size" in capsys.readouterr().out
 
@@ -268,3 +274,55 @@ def test_launch_refuses_an_abbreviated_option(capsys):
     assert "--zoffload" in capsys.readouterr().err
     args = _accelerate_parser().parse_args(["--zoffload_config", "x.yaml", "train.py"])
     assert args.zoffload_config == "x.yaml"
+
+
+# ------------------------------------------------- estimate: the effective config, MODEL
+def test_estimate_reads_the_sidecar_env_calls_effective(tmp_path, monkeypatch, capsys):
+    """The sidecar beside accelerate's config (what env and launch use) sets int8 moments;
+    HF_ZOFFLOAD_* variables win over it, and explicit flags over both."""
+    import accelerate.commands.config.config_args as config_args
+
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "default_config.yaml"))
+    side = tmp_path / "default_config_zoffload.yaml"
+    side.write_text("zero_offload: true\nzoffload: {state_dtype: int8, bucket_size_mb: 8}\n")
+    assert main(["env"]) == 0
+    assert "    state_dtype: int8\n" in capsys.readouterr().out
+    r = _json(capsys, "--params", "7B")
+    assert r["report"]["state_dtype"] == "int8"
+    assert r["settings"]["state_dtype"] == {"value": "int8", "from": str(side)}
+    assert r["settings"]["bucket_size_mb"] == {"value": 8.0, "from": str(side)}
+    assert r["settings"]["compute_dtype"]["from"] == "default"
+    monkeypatch.setenv("HF_ZOFFLOAD_STATE_DTYPE", "bf16")
+    r = _json(capsys, "--params", "7B")
+    assert r["settings"]["state_dtype"] == {"value": "bf16", "from": "HF_ZOFFLOAD_STATE_DTYPE"}
+    r = _json(capsys, "--params", "7B", "--state_dtype", "fp32")
+    assert r["report"]["state_dtype"] == "fp32"
+    assert r["settings"]["state_dtype"]["from"] == "--state_dtype"
+    assert r["settings"]["bucket_size_mb"]["from"] == str(side)  # the rest still from it
+    # --zoffload_config names another sidecar; the text output says what it used
+    other = tmp_path / "other.yaml"
+    other.write_text("zoffload: {delayed_update: true}\n")
+    monkeypatch.delenv("HF_ZOFFLOAD_STATE_DTYPE")
+    assert main(["estimate", "--params", "7B", "--zoffload_config", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(
+        f"settings: state_dtype=fp32 (default), compute_dtype=bf16 (default), "
+        f"bucket_size_mb=32.0 (default), delayed_update=True ({other}), ")
+    assert main(["estimate", "--params", "7B", "--zoffload_config", str(tmp_path / "no")]) == 2
+    assert "--zoffload_config" in capsys.readouterr().out
+
+
+def test_estimate_takes_the_model_as_a_positional(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    cfg = GPT2Config()
+    cfg.update_from_string(TINY_GPT2)
+    cfg.save_pretrained(tmp_path)
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        by_flag = _json(capsys, "--model", model)
+        assert _json(capsys, model) == by_flag and by_flag["report"]["n_params"] == 172_288
+    assert main(["estimate", "no-such-org/no-such-model-zz"]) == 2
+    assert "MODEL 'no-such-org/no-such-model-zz' is neither" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one source only
+        main(["estimate", str(tmp_path), "--params", "7B"])
+    assert "not allowed with argument" in capsys.readouterr().err
