@@ -194,18 +194,19 @@ def compute(args) -> dict:
                          f"--tp_size ({args.tp_size})")
     tp = args.tp_size
     if tp > 1 and args.params:
-        raise ValueError("--tp_size needs MODEL, --model or --model_type: which params are sharded "
-                         "comes from the model's tensor-parallel plan")
+        raise ValueError("--tp_size needs MODEL, --model or --model_type: which params are "
+                         "sharded comes from the model's tensor-parallel plan")
+    cfg = None if args.params else _model_config(args)
     split = None
     if tp > 1:
-        sharded, replicated = split_params(_model_config(args))
+        sharded, replicated = split_params(cfg)
         n = -(-sharded // tp) + replicated  # this rank's local elements
         split = {"sharded": sharded, "replicated": replicated, "per_rank": n}
     else:
-        n = parse_count(args.params) if args.params else count_params(_model_config(args))
+        n = parse_count(args.params) if args.params else count_params(cfg)
     frozen = parse_count(args.frozen_params)
 
-    def report_for(state_dtype):
+    def report_for(state_dtype, n=n, tp=tp):
         return estimate(n, compute_dtype=plugin.compute_dtype,
                         bucket_size_mb=plugin.bucket_size_mb,
                         world_size=args.num_gpus // tp,
@@ -218,15 +219,44 @@ def compute(args) -> dict:
     host_all = report["host_total"] * args.num_gpus
     modes = {m: report_for(m)["host_total"] * args.num_gpus for m in STATE_DTYPES}
     settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
+    gpu_fit = _fit(report["device_total"], gpu)
+    hint = None
+    if gpu_fit and not gpu_fit["fits"] and cfg is not None:
+        hint = _tp_hint(cfg, split, gpu, args.num_gpus, tp,
+                        lambda n, t: report_for(plugin.state_dtype, n, t)["device_total"])
     return {
-        "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp, "tp_split": split,
-        "host_total_all_ranks": host_all,
-        "fits": {"gpu_zero_offload": _fit(report["device_total"], gpu),
+        "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,
+        "tp_split": split, "host_total_all_ranks": host_all,
+        "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
         "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host)}
                                 for m, v in modes.items()},
+        "tp_hint": hint,
     }
+
+
+def _tp_hint(cfg, split, gpu: int, num_gpus: int, tp: int, device_total) -> dict | None:
+    """The GPU side does not fit at ``tp``: the smallest larger tp size (a power of two that
+    divides ``num_gpus``, as tp plans shard heads and widths evenly by those) with which it
+    would, by the model's own tp plan; ``{"tp_size": None, ...}`` when even the largest does
+    not, and None when the model has no tp plan (nothing to suggest)."""
+    if split is None:
+        try:
+            sharded, replicated = split_params(cfg)
+        except ValueError:  # no tp plan
+            return None
+    else:
+        sharded, replicated = split["sharded"], split["replicated"]
+    candidates = [t for t in (2 ** k for k in range(1, num_gpus.bit_length()))
+                  if t > tp and num_gpus % t == 0]
+    if not candidates:
+        return None
+    for t in candidates:
+        need = device_total(-(-sharded // t) + replicated, t)
+        if need <= gpu:
+            return {"tp_size": t, "need": need, "have": gpu}
+    return {"tp_size": None, "largest_tried": candidates[-1], "need": need, "have": gpu}
 
 
 def format_settings(result: dict) -> str:
@@ -257,6 +287,14 @@ def format_fits(result: dict) -> str:
         verdict = "fits" if f["fits"] else "DOES NOT FIT"
         lines.append(f"  {labels[key]:<21} needs {human(f['need']):>11} of {human(f['have'])}: "
                      f"{verdict}, headroom {human(f['headroom'])}")
+    hint = result.get("tp_hint")
+    if hint and hint["tp_size"]:
+        t = hint["tp_size"]
+        lines.append(f"  hint: with --tp_size {t} (tensor parallel {t} x data parallel {n // t}) "
+                     f"the GPU side would fit: {human(hint['need'])} per GPU")
+    elif hint:
+        lines.append(f"  hint: even --tp_size {hint['largest_tried']} leaves the GPU side short: "
+                     f"{human(hint['need'])} per GPU")
     modes = result["host_by_state_dtype"]
     lines.append("host by state_dtype (the Adam moments; master weights fp32 in every mode):")
     for mode, m in modes.items():

@@ -326,3 +326,37 @@ def test_estimate_takes_the_model_as_a_positional(tmp_path, capsys):
     with pytest.raises(SystemExit):  # one source only
         main(["estimate", str(tmp_path), "--params", "7B"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_estimate_hints_the_smallest_tp_size_that_fits(capsys, monkeypatch):
+    """GPU side short at tp 1: the hint is the smallest power-of-two tp dividing the GPU
+    count whose per-rank figure (the same arithmetic as --tp_size) fits."""
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")
+    tiny = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+            "num_key_value_heads=4,head_dim=16,vocab_size=1000")
+    base = ["--model_type", "llama", "--config_overrides", tiny, "--num_gpus", "8",
+            "--compute_dtype", "bf16", "--bucket_size_mb", "0.001"]
+    need = {t: _json(capsys, *base, "--tp_size", str(t))["report"]["device_total"]
+            for t in (1, 2, 4, 8)}
+    assert need[1] > need[2] > need[4] > need[8]
+    gpu = f"{need[4]}B"  # tp 4 fits exactly, tp 2 does not
+    r = _json(capsys, *base, "--gpu_memory", gpu)
+    assert r["fits"]["gpu_zero_offload"]["fits"] is False
+    assert r["tp_hint"] == {"tp_size": 4, "need": need[4], "have": need[4]}
+    assert main(["estimate", *base, "--gpu_memory", gpu]) == 0
+    hints = [ln for ln in capsys.readouterr().out.splitlines() if "hint:" in ln]
+    assert hints == [f"  hint: with --tp_size 4 (tensor parallel 4 x data parallel 2) the GPU "
+                     f"side would fit: {need[4] / 1024:.2f} KiB per GPU"]
+    # already at tp 2: still tp 4; nothing fits: said so, naming the largest tried
+    assert _json(capsys, *base, "--tp_size", "2", "--gpu_memory", gpu)["tp_hint"]["tp_size"] == 4
+    assert main(["estimate", *base, "--gpu_memory", f"{need[8] - 1}B"]) == 0
+    assert "  hint: even --tp_size 8 leaves the GPU side short" in capsys.readouterr().out
+    # no hint when it fits, for a model without a tp plan (opt), or with --params
+    opt = _json(capsys, "--model_type", "opt", "--config_overrides",
+                "hidden_size=64,ffn_dim=128,num_hidden_layers=2,num_attention_heads=4,"
+                "vocab_size=1000,word_embed_proj_dim=64", "--num_gpus", "8",
+                "--gpu_memory", "1KiB")
+    assert opt["fits"]["gpu_zero_offload"]["fits"] is False and opt["tp_hint"] is None
+    assert _json(capsys, *base, "--gpu_memory", f"{need[1]}B")["tp_hint"] is None
+    assert _json(capsys, "--params", "7B", "--num_gpus", "8", "--gpu_memory", "1GiB"
+                 )["tp_hint"] is None
