@@ -111,9 +111,65 @@ def _kernel() -> str:
     return text
 
 
+def _switch_source(environ) -> str | None:
+    """What decides the on/off switch in ``environ`` (as `enabled_from_sources` reads it:
+    HF_ZOFFLOAD_ENABLED, else the top-level ``zero_offload:`` of the file HF_ZOFFLOAD_CONFIG
+    names), or None when nothing does and each path keeps its own default."""
+    from hf_zoffload.config import CONFIG_ENV, ENABLED_ENV
+    from hf_zoffload.sidecar import load_sidecar
+
+    if environ.get(ENABLED_ENV) is not None:
+        return f"{ENABLED_ENV}={environ[ENABLED_ENV]}"
+    path = environ.get(CONFIG_ENV)
+    if path and "zero_offload" in load_sidecar(path, named_by=CONFIG_ENV):
+        return f"zero_offload: {load_sidecar(path, named_by=CONFIG_ENV)['zero_offload']} in {path}"
+    return None
+
+
+def _trainer(enabled: bool | None) -> str:
+    # An unset --zero_offload follows the sources; a given one wins either way (arguments.py).
+    if enabled is None:
+        return "only with --zero_offload"
+    return "on unless --zero_offload false" if enabled else "off unless --zero_offload"
+
+
+def _switch_lines(launch_env: dict, environ: dict) -> list[str]:
+    """Where offload is on, read from the code paths' own switch: `prepare_zero_offload`
+    defaults to on, the Trainer's --zero_offload to off; `hf-zoffload launch` always exports
+    HF_ZOFFLOAD_ENABLED (from the sidecar it finds, default true), so under it both follow
+    that; under `python` / `accelerate launch` the sidecar beside accelerate's config is not
+    read unless HF_ZOFFLOAD_CONFIG names it."""
+    from hf_zoffload.config import enabled_from_sources
+
+    on = enabled_from_sources(default=True, environ=launch_env)
+    why = _switch_source(launch_env) or "the default"
+    plain_why = _switch_source(environ) or "no HF_ZOFFLOAD_ENABLED, no HF_ZOFFLOAD_CONFIG"
+    prepare = enabled_from_sources(default=True, environ=environ)
+    return [
+        f"    on/off under `hf-zoffload launch` (it exports HF_ZOFFLOAD_ENABLED="
+        f"{'true' if on else 'false'}, from {why}): prepare_zero_offload {'on' if on else 'off'} "
+        f"unless the script passes enabled=; the Trainer {_trainer(on)}",
+        f"    on/off under `python` / `accelerate launch` here ({plain_why}): "
+        f"prepare_zero_offload {'on' if prepare else 'off'} unless the script passes enabled=; "
+        f"the Trainer {_trainer(enabled_from_sources(default=None, environ=environ))}",
+    ]
+
+
+def _shown_value(name: str, value) -> str:
+    """A size as typed and in GiB: `16g` alone does not say GB or GiB (it is GiB)."""
+    import dataclasses
+
+    from hf_zoffload.config import ZeroOffloadPlugin, parse_size
+
+    field = {f.name: f for f in dataclasses.fields(ZeroOffloadPlugin)}[name]
+    if not field.metadata.get("size"):
+        return str(value)
+    n = parse_size(str(value), name, zero_ok=True)
+    return f"{value} (= {n / 2**30:.2f} GiB)" if n else f"{value} (none set)"
+
+
 def _offload_config(config_file: str | None, zoffload_config: str | None) -> str:
     from hf_zoffload.config import CONFIG_ENV, ZeroOffloadPlugin, sourced_values
-    from hf_zoffload.integrations.accelerate import zero_offload_enabled
 
     # The sidecar `hf-zoffload launch` would use with the same options, so the two agree.
     env = dict(os.environ)
@@ -124,11 +180,13 @@ def _offload_config(config_file: str | None, zoffload_config: str | None) -> str
     source = sidecar or "no sidecar yaml (none named, none beside accelerate's config)"
     plugin = ZeroOffloadPlugin.from_sources(environ=env)
     chosen = set(sourced_values(environ=env)[0])
-    lines = [f"{source}; enabled: {zero_offload_enabled(environ=env)}"]
+    lines = [source, *_switch_lines(env, dict(os.environ))]
     for k, v in plugin.to_dict().items():
         if k == "compute_dtype" and k not in chosen:
             v = (f"not set: the Trainer follows --fp16/--bf16, prepare_zero_offload accelerate's "
                  f"mixed_precision (fp32 for neither); a plain ZeroOffloadOptimizer uses {v}")
+        else:
+            v = _shown_value(k, v)
         lines.append(f"    {k}: {v}" + ("" if k in chosen or k == "compute_dtype"
                                          else " (default)"))
     return "\n".join(lines)

@@ -183,7 +183,9 @@ def test_commands_snippet(tmp_path):
             assert "ZeRO-Offload enabled; settings from" in proc.stderr
             assert '"zero_offload": true' in proc.stdout
         if command == "hf-zoffload env":
-            assert "default_config_zoffload.yaml; enabled: True" in proc.stdout
+            assert "default_config_zoffload.yaml\n" in proc.stdout
+            assert "on/off under `hf-zoffload launch` (it exports HF_ZOFFLOAD_ENABLED=true" \
+                in proc.stdout
 
 
 def test_tensor_parallel_snippet(tmp_path):

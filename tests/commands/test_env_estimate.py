@@ -58,7 +58,9 @@ def test_env_finds_the_sidecar_launch_uses(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    assert f"- ZeRO-Offload config: {side}; enabled: True" in out
+    assert f"- ZeRO-Offload config: {side}\n" in out
+    assert ("    on/off under `hf-zoffload launch` (it exports HF_ZOFFLOAD_ENABLED=true, from "
+            f"zero_offload: True in {side})") in out
     assert "    cpu_threads: 3\n" in out  # chosen: no "(default)"
     from hf_zoffload.commands.launch import find_sidecar
 
@@ -360,3 +362,49 @@ def test_estimate_hints_the_smallest_tp_size_that_fits(capsys, monkeypatch):
     assert _json(capsys, *base, "--gpu_memory", f"{need[1]}B")["tp_hint"] is None
     assert _json(capsys, "--params", "7B", "--num_gpus", "8", "--gpu_memory", "1GiB"
                  )["tp_hint"] is None
+
+
+# --------------------------------------------------------- env: the switch, sizes
+def _switch(out: str) -> tuple[str, str]:
+    launch, plain = [ln for ln in out.splitlines() if ln.startswith("    on/off under")]
+    return launch, plain
+
+
+def test_env_says_what_is_on_where(tmp_path, monkeypatch, capsys):
+    """prepare_zero_offload defaults to on, the Trainer's --zero_offload to off; launch
+    exports HF_ZOFFLOAD_ENABLED, which both follow; under plain python the sidecar beside
+    accelerate's config is not read (only one HF_ZOFFLOAD_CONFIG names)."""
+    assert main(["env"]) == 0  # nothing set anywhere
+    launch, plain = _switch(capsys.readouterr().out)
+    assert "exports HF_ZOFFLOAD_ENABLED=true, from the default" in launch
+    assert launch.endswith("prepare_zero_offload on unless the script passes enabled=; "
+                           "the Trainer on unless --zero_offload false")
+    assert plain.endswith("(no HF_ZOFFLOAD_ENABLED, no HF_ZOFFLOAD_CONFIG): prepare_zero_offload"
+                          " on unless the script passes enabled=; the Trainer only with "
+                          "--zero_offload")
+    side = tmp_path / "off.yaml"
+    side.write_text("zero_offload: false\n")
+    assert main(["env", "--zoffload_config", str(side)]) == 0
+    launch, plain = _switch(capsys.readouterr().out)
+    assert f"HF_ZOFFLOAD_ENABLED=false, from zero_offload: False in {side}" in launch
+    assert "prepare_zero_offload off" in launch and "Trainer off unless --zero_offload" in launch
+    assert "prepare_zero_offload on" in plain  # --zoffload_config is launch's, not python's
+    monkeypatch.setenv("HF_ZOFFLOAD_CONFIG", str(side))
+    assert main(["env"]) == 0
+    launch, plain = _switch(capsys.readouterr().out)
+    assert f"(zero_offload: False in {side})" in plain and "prepare_zero_offload off" in plain
+    monkeypatch.setenv("HF_ZOFFLOAD_ENABLED", "true")  # the variable wins over the sidecar
+    assert main(["env"]) == 0
+    launch, plain = _switch(capsys.readouterr().out)
+    assert plain.endswith("(HF_ZOFFLOAD_ENABLED=true): prepare_zero_offload on unless the "
+                          "script passes enabled=; the Trainer on unless --zero_offload false")
+
+
+@pytest.mark.parametrize("typed,shown", [("16g", "16g (= 16.00 GiB)"),
+                                         ("16GB", "16gb (= 14.90 GiB)"),  # lowercased by the plugin
+                                         ("0", "0 (none set) (default)")])
+def test_env_shows_sizes_in_gib_beside_what_was_typed(typed, shown, monkeypatch, capsys):
+    if typed != "0":
+        monkeypatch.setenv("HF_ZOFFLOAD_HOST_MEMORY_LIMIT", typed)
+    assert main(["env"]) == 0
+    assert f"    host_memory_limit: {shown}\n" in capsys.readouterr().out
