@@ -66,8 +66,9 @@ class DataArguments:
                 "(no --train_file) it is enough for an evaluation-only run (--do_eval)."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     block_size: int | None = field(default=None, metadata={
-        "help": "Tokens per training example. Default: 64 for the built-in model, else the "
-                "tokenizer's limit capped at 1024."})
+        "help": "Tokens per training example, at most the model's positions. Default: 64 "
+                "for the built-in model, else the smallest of 1024, the tokenizer's limit and "
+                "the model's positions."})
     max_train_samples: int | None = field(default=None, metadata={
         "help": "Keep at most this many training blocks (for quick runs)."})
     max_eval_samples: int | None = field(default=None, metadata={
@@ -97,6 +98,18 @@ def check_sources(margs: ModelArguments, data: DataArguments, *, do_train: bool 
     for bad, message in clashes:
         if bad:
             raise ValueError(message)
+
+
+def cpu_launch(argv, env, accelerator) -> bool:
+    """True when this is one of several launched processes (torchrun sets WORLD_SIZE) on a
+    machine with no accelerator, without --use_cpu: accelerate then sets up no process group
+    (it starts its multi-CPU one only when told cpu=True), so every rank would train the
+    same batches alone and log and save each. ``--use_cpu`` must then be added."""
+    if accelerator is not None or int(env.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return False  # accelerate launch --cpu: the Trainer reads it too
+    return not any(a == "--use_cpu" or a.startswith("--use_cpu=") for a in argv)
 
 
 def tensor_parallel(margs: ModelArguments, args) -> int:
@@ -161,8 +174,46 @@ def load_texts(data: DataArguments):
     return raw
 
 
-def build_model(margs: ModelArguments, tokenizer, block_size: int, *, dp: int = 1):
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DistributedConfig
+def model_config(margs: ModelArguments):
+    """The config a model from scratch gets (None: the built-in default), or a pretrained
+    model's own, read without its weights; unknown types and overrides fail here."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if margs.model_name_or_path:
+        return AutoConfig.from_pretrained(margs.model_name_or_path)
+    if margs.config_name:
+        config = AutoConfig.from_pretrained(margs.config_name)
+    elif margs.model_type:
+        if margs.model_type not in CONFIG_MAPPING:
+            raise ValueError(f"unknown --model_type {margs.model_type!r}")
+        config = CONFIG_MAPPING[margs.model_type]()
+    else:
+        return None
+    if margs.config_overrides:
+        config.update_from_string(margs.config_overrides)
+    return config
+
+
+def choose_block_size(requested: int | None, config, tokenizer_max: int) -> int:
+    """``--block_size``, or 64 for the built-in model (config None), else the smallest of
+    1024, the tokenizer's limit and the model's positions; a block longer than the model's
+    positions raises (the position embedding would index past its end)."""
+    if requested is not None and requested < 1:
+        raise ValueError(f"--block_size must be >= 1, got {requested}")
+    if config is None:
+        return requested or 64
+    n_pos = getattr(config, "n_positions", None) or \
+        getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        return min(1024, tokenizer_max, n_pos or 1024)
+    if n_pos and requested > n_pos:
+        raise ValueError(f"--block_size {requested} exceeds the model's {n_pos} positions: "
+                         f"give --block_size {n_pos} or less")
+    return requested
+
+
+def build_model(margs: ModelArguments, config, tokenizer, block_size: int, *, dp: int = 1):
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     if margs.model_name_or_path:
         # every rank tensor parallel: each reads its shards (transformers' sharded loading);
@@ -171,17 +222,9 @@ def build_model(margs: ModelArguments, tokenizer, block_size: int, *, dp: int = 
         kw = {"distributed_config": DistributedConfig(tp_size=margs.tp_size)} \
             if margs.tp_size > 1 and dp == 1 else {}
         return _causal_loss(AutoModelForCausalLM.from_pretrained(margs.model_name_or_path, **kw))
-    if margs.config_name:
-        config = AutoConfig.from_pretrained(margs.config_name)
-    elif margs.model_type:
-        if margs.model_type not in CONFIG_MAPPING:
-            raise ValueError(f"unknown --model_type {margs.model_type!r}")
-        config = CONFIG_MAPPING[margs.model_type]()
-    else:
+    if config is None:
         config = defaults.default_config(vocab_size=len(tokenizer), block_size=block_size,
                                          eos_token_id=tokenizer.eos_token_id)
-    if margs.config_overrides:
-        config.update_from_string(margs.config_overrides)
     config.vocab_size = len(tokenizer)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is not None:
@@ -225,22 +268,49 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer, HfArgumentParser, default_data_collator, set_seed
 
     parser = HfArgumentParser((ModelArguments, DataArguments, ZeroOffloadTrainingArguments),
-                              description=__doc__.split("\n\n")[0].replace("\n", " "))
+                              description=__doc__.split("\n\n")[0].replace("\n", " "),
+                              epilog=f"A bad setting, missing file or unknown model type is "
+                                     f"one line and exit status 2; {TRACEBACK_ENV}=1 shows its "
+                                     f"traceback.")
     argv = sys.argv[1:] if argv is None else argv
     check_argv(argv)  # an unknown --zero_offload_<name>: one line naming the closest
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        load = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        margs, data, args = load(os.path.abspath(argv[0]))
+    import torch
+
+    from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
+    add_cpu = cpu_launch([] if from_file else argv, os.environ,
+                         torch.accelerator.current_accelerator())
+    if from_file:
+        with open(argv[0]) as f:
+            if argv[0].endswith(".json"):
+                import json
+
+                settings = json.load(f)
+            else:
+                import yaml
+
+                settings = yaml.safe_load(f)
+        if add_cpu and "use_cpu" in settings:
+            add_cpu = False  # the file chose
+        margs, data, args = parser.parse_dict(dict(settings, **({"use_cpu": True} if add_cpu
+                                                                else {})))
     else:
-        margs, data, args = parser.parse_args_into_dataclasses(args=argv)
+        margs, data, args = parser.parse_args_into_dataclasses(
+            args=[*argv, "--use_cpu"] if add_cpu else argv)
 
     check_sources(margs, data, do_train=args.do_train)
+    config = model_config(margs)  # unknown types, bad overrides: before any data or model
+    if data.block_size is not None:
+        choose_block_size(data.block_size, config, data.block_size)  # too long: refused now
     dp = tensor_parallel(margs, args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stdout)
     level = logging.INFO if args.should_log else logging.WARNING
     for name in ("run_clm", "hf_zoffload"):
         logging.getLogger(name).setLevel(level)
+    if add_cpu:
+        logger.info("%s launched processes and no GPU: added --use_cpu (without it accelerate "
+                    "sets up no process group and each rank trains alone)",
+                    os.environ["WORLD_SIZE"])
     set_seed(args.seed)
 
     raw = load_texts(data)
@@ -252,18 +322,13 @@ def main(argv=None) -> dict:
                     margs.vocab_size)
         texts = raw["train" if "train" in raw else "validation"][data.text_column]
         tokenizer = defaults.train_tokenizer(texts, vocab_size=margs.vocab_size)
-    scratch = not (margs.model_name_or_path or margs.config_name or margs.model_type)
-    block_size = data.block_size or (64 if scratch else min(tokenizer.model_max_length, 1024))
+    block_size = choose_block_size(data.block_size, config, tokenizer.model_max_length)
     # every rank builds the same weights, whatever ran since the first seeding (a tensor-
     # parallel rank keeps its part of its own copy)
     set_seed(args.seed)
-    model = build_model(margs, tokenizer, block_size, dp=dp)
+    model = build_model(margs, config, tokenizer, block_size, dp=dp)
     if margs.tp_size > 1 and parallel.model_tp_size(model) == 1:
         parallel.tp_plan(model, margs.tp_size)  # no plan, heads or ties that do not fit: now
-    n_pos = getattr(model.config, "n_positions", None) or \
-        getattr(model.config, "max_position_embeddings", None)
-    if n_pos and block_size > n_pos:
-        raise ValueError(f"--block_size {block_size} exceeds the model's {n_pos} positions")
 
     blocks = tokenize_blocks(raw, tokenizer, column=data.text_column, block_size=block_size,
                              args=args)
@@ -306,5 +371,24 @@ def main(argv=None) -> dict:
     return results
 
 
+# What the package and this script raise on purpose for a bad setting, file or model type:
+# one line is the whole message; the traceback would only bury it.
+USER_ERRORS = (ValueError, MemoryError, FileNotFoundError)
+TRACEBACK_ENV = "HF_ZOFFLOAD_TRACEBACK"
+
+
+def cli(argv=None) -> int:
+    """``main`` as a command: a configuration or data error is one line on stderr and exit
+    status 2 (as argparse's), unless HF_ZOFFLOAD_TRACEBACK=1 asks for the traceback."""
+    try:
+        main(argv)
+    except USER_ERRORS as err:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        print(f"run_clm.py: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -141,6 +141,10 @@ def test_run_clm_two_processes_save_and_resume(tmp_path):
     (["--tp_size", "2"], "--tp_size needs --zero_offload"),
     (["--tp_size", "0", "--zero_offload"], "--tp_size must be >= 1, got 0"),
     (["--tp_size", "2", "--zero_offload"], "--tp_size 2 does not divide the 1 launched"),
+    (["--model_type", "gpt2", "--config_overrides", "n_positions=512", "--block_size", "1024"],
+     "--block_size 1024 exceeds the model's 512 positions: give --block_size 512 or less"),
+    (["--block_size", "0"], "--block_size must be >= 1, got 0"),
+    (["--model_type", "gpt3"], "unknown --model_type 'gpt3'"),
 ])
 def test_options_that_would_be_ignored_raise(argv, match, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -150,6 +154,69 @@ def test_options_that_would_be_ignored_raise(argv, match, tmp_path):
         sys.path.remove(str(ROOT / "scripts"))
     with pytest.raises(ValueError, match=match):
         run_clm.main([*argv, "--output_dir", str(tmp_path), "--use_cpu"])
+
+
+def _run_clm_module():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import run_clm
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return run_clm
+
+
+def test_block_size_defaults_to_the_model_positions():
+    """Issue 24: the default block of 1024 ran past a 512-position model's embedding."""
+    from transformers import GPT2Config, LlamaConfig
+
+    choose = _run_clm_module().choose_block_size
+    huge = int(1e30)  # a tokenizer trained here has no limit
+    assert choose(None, GPT2Config(n_positions=512), huge) == 512
+    assert choose(None, LlamaConfig(max_position_embeddings=256), huge) == 256
+    assert choose(None, LlamaConfig(max_position_embeddings=4096), huge) == 1024
+    assert choose(None, GPT2Config(n_positions=512), 128) == 128  # the tokenizer's limit
+    assert choose(None, None, huge) == 64  # the built-in model
+    assert choose(512, GPT2Config(n_positions=512), huge) == 512
+    with pytest.raises(ValueError, match="--block_size 513 exceeds the model's 512 positions"):
+        choose(513, GPT2Config(n_positions=512), huge)
+
+
+def test_torchrun_on_cpus_adds_use_cpu():
+    """Issue 24: torchrun on a machine without a GPU and without --use_cpu: accelerate set up
+    no process group, so each rank trained alone; run_clm adds --use_cpu then."""
+    launched = {"WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    decide = _run_clm_module().cpu_launch
+    assert decide([], launched, None) is True
+    assert decide(["--use_cpu"], launched, None) is False  # given: the user's choice
+    assert decide(["--use_cpu=false"], launched, None) is False
+    assert decide([], dict(launched, ACCELERATE_USE_CPU="true"), None) is False
+    assert decide([], launched, torch.device("cuda")) is False  # accelerate sets up NCCL
+    assert decide([], {}, None) is False  # one process: nothing to set up
+    assert decide([], {"WORLD_SIZE": "1"}, None) is False
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--zero_offload", "--zero_offload_bucket_size_mb", "-1"],
+     "run_clm.py: error: ValueError: --zero_offload_bucket_size_mb: ZeRO-Offload setting "
+     "'bucket_size_mb': -1.0 is not allowed"),
+    (["--model_type", "gpt3"], "run_clm.py: error: ValueError: unknown --model_type 'gpt3'"),
+])
+def test_configuration_errors_are_one_line(argv, line, tmp_path):
+    """Issue 24: a bad value arrived after 9-29 lines of traceback; now one line and exit
+    status 2, the traceback only with HF_ZOFFLOAD_TRACEBACK=1."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), *argv, "--output_dir",
+           str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+    env = offline_env()
+    env.pop("HF_ZOFFLOAD_TRACEBACK", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()  # refused before any work
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(env, HF_ZOFFLOAD_TRACEBACK="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
 
 
 def test_evaluation_only_needs_only_the_validation_data(tmp_path):
@@ -199,8 +266,9 @@ def _tp_data(tmp_path):
     return tok
 
 
-def _clm(tmp_path, name, argv, *, ranks=1):
-    """run_clm.py alone, or under torchrun with ``ranks`` processes; its log entries."""
+def _clm(tmp_path, name, argv, *, ranks=1, use_cpu=True, output=None):
+    """run_clm.py alone, or under torchrun with ``ranks`` processes; its log entries (and
+    its stdout and stderr appended to ``output`` if given)."""
     out = tmp_path / name
     launch = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -210,8 +278,8 @@ def _clm(tmp_path, name, argv, *, ranks=1):
            str(tmp_path / "valid.txt"), "--block_size", "32", "--max_train_samples", "64",
            "--max_eval_samples", "8", "--do_train", "--do_eval", "--zero_offload",
            "--max_steps", "4", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-           "--report_to", "none", "--use_cpu", "--disable_tqdm", "true", "--save_strategy",
-           "no", "--logging_steps", "1", "--output_dir", str(out),
+           "--report_to", "none", *(["--use_cpu"] if use_cpu else []), "--disable_tqdm",
+           "true", "--save_strategy", "no", "--logging_steps", "1", "--output_dir", str(out),
            # the memory figures in log_history: on its first entry (off: the stock entries)
            "--zero_offload_log_history_extras"]
     env = offline_env()
@@ -219,6 +287,8 @@ def _clm(tmp_path, name, argv, *, ranks=1):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     state = json.loads((out / "trainer_state.json").read_text())["log_history"]
     evals = json.loads((out / "eval_results.json").read_text())
     return [e for e in state if "loss" in e], state[0]["offload_host_mib"], evals
@@ -277,3 +347,17 @@ def test_tp_size_from_pretrained_equals_one_process(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+def test_torchrun_without_use_cpu_is_two_ranks(tmp_path):
+    """Issue 24: docs/tensor_parallel.md's command without --use_cpu on CPUs: it failed with
+    '--tp_size 2 does not divide the 1 launched processes'; now run_clm adds --use_cpu, says
+    so once (rank 0), and the two ranks shard the model as with it."""
+    _tp_data(tmp_path)
+    argv = ["--model_type", "llama", "--config_overrides", LLAMA, "--tokenizer_name",
+            str(tmp_path / "tok"), "--tp_size", "2"]
+    output = []
+    logs, _, evals = _clm(tmp_path, "two", argv, ranks=2, use_cpu=False, output=output)
+    assert output[0].count("2 launched processes and no GPU: added --use_cpu") == 1, output[0]
+    assert len(logs) == 4 and evals["eval_loss"] > 0
