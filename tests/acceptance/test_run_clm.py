@@ -201,6 +201,7 @@ def test_torchrun_on_cpus_adds_use_cpu():
      "'bucket_size_mb': -1.0 is not allowed"),
     (["--model_type", "gpt3"], "run_clm.py: error: ValueError: unknown --model_type 'gpt3'"),
 ])
+@pytest.mark.slow
 def test_configuration_errors_are_one_line(argv, line, tmp_path):
     """Issue 24: a bad value arrived after 9-29 lines of traceback; now one line and exit
     status 2, the traceback only with HF_ZOFFLOAD_TRACEBACK=1."""
