@@ -320,7 +320,8 @@ gpu_tests() {
 gpu_test() {  # gpu_test [PYTEST_OPTION...] TEST...: pytest -m gpu on these tests of tests/gpu/
     # Their figures are the "summary: " lines printed after pytest's report; a test that
     # skips fails (HF_ZOFFLOAD_REQUIRE_GPU=1), and so does a run that selects none (exit 5).
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider "$@"
+    # Their tmp_path folders (run_clm's two saved models: ~0.6 GB) go into SCRATCH.
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider --basetemp "$SCRATCH/pytest" "$@"
 }
 export -f gpu_test  # race_sanitizer calls it from its own bash
 

@@ -164,6 +164,7 @@ FAKE_PYTHON = """\
 #!/usr/bin/env bash
 # Plays each stage of gpu_check.sh without a GPU; FAKE_CALLS: a file that lists every call.
 [ -z "${FAKE_CALLS:-}" ] || echo "$*" >>"$FAKE_CALLS"
+t="-m pytest -m gpu -q -p no:cacheprovider --basetemp "  # gpu_check.sh's gpu_test
 case "$*" in
   -) cat >/dev/null; echo "info gpu: Fake GPU"; echo "info torch: fake";;
   "- "*) cat >/dev/null; echo "summary: $2: variants here generic, native; auto runs native";;
@@ -171,19 +172,19 @@ case "$*" in
   *"-m pytest tests/ops/"*) [ -f tests/ops/test_cpu_adam.py ] || exit 4
     echo "298 passed in 6.00s";;
   *"tests/gpu/test_race.py::test_race_under_the_cuda_sanitizer")
-    [[ "$*" == *"-m pytest -m gpu -q -p no:cacheprovider -s "* ]] || exit 6
+    [[ "$*" == *"$t"*"/pytest -s "* ]] || exit 6
     [ -n "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
     [ -z "${FAKE_CSAN:-}" ] || echo "CSAN detected a possible data race on tensor" >&2
     echo "summary: | config | sanitized |";;
-  *"-m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_race.py::test_race_stress")
+  *"$t"*"/pytest tests/gpu/test_race.py::test_race_stress")
     [ -z "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
     echo "."; echo "summary: | config | vs CPU engine |"; echo "summary: | fp16 | equal |"
     echo "1 passed in 9.00s";;
-  *"-m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_nccl_one_rank.py::"*)
+  *"$t"*"/pytest tests/gpu/test_nccl_one_rank.py::"*)
     echo "summary: 7/7 nccl";;
-  *"-m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_host_memory.py::"*)
+  *"$t"*"/pytest tests/gpu/test_host_memory.py::"*)
     echo "summary: host figures"; echo "host went wrong" >&2; exit 1;;
-  *"-m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_clm_compare.py::"*)
+  *"$t"*"/pytest tests/gpu/test_clm_compare.py::"*)
     echo "summary: clm figures";;
   *"-m pytest tests -m gpu --ignore=tests/gpu "*) echo ".."; echo "24 passed in 51.20s";;
   *bench/gpu_size.py*) echo "summary: size figures, limit ${GPU_CHECK_STAGE_S:-unset} s";;
