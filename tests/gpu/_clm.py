@@ -133,25 +133,31 @@ def have_datasets() -> bool:
 # ------------------------------------------------------------------------ one run
 def child(result_path: str, argv: list[str], *, use_datasets: bool) -> None:
     """Run run_clm.main(argv) in this process; write its losses, parameter count, peak
-    device memory and seconds to ``result_path`` (JSON)."""
+    device memory and seconds to ``result_path`` (JSON). run_clm's functions replaced for
+    the run are put back after it (a test runs this in the suite's own process)."""
     run_clm = load_run_clm()
-    if not use_datasets:
-        run_clm.load_texts = load_texts_without_datasets
-        run_clm.tokenize_blocks = tokenize_blocks_without_datasets
+    saved = {name: getattr(run_clm, name)
+             for name in ("load_texts", "tokenize_blocks", "build_model")}
     info = {}
-    build_model = run_clm.build_model
 
     def counting_build_model(*args, **kwargs):
-        model = build_model(*args, **kwargs)
+        model = saved["build_model"](*args, **kwargs)
         info["n_params"] = model.num_parameters()
         return model
 
+    if not use_datasets:
+        run_clm.load_texts = load_texts_without_datasets
+        run_clm.tokenize_blocks = tokenize_blocks_without_datasets
     run_clm.build_model = counting_build_model
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    results = run_clm.main(argv)
+    try:
+        results = run_clm.main(argv)
+    finally:
+        for name, fn in saved.items():
+            setattr(run_clm, name, fn)
     seconds = time.perf_counter() - t0
     output_dir = argv[argv.index("--output_dir") + 1]
     with open(os.path.join(output_dir, "trainer_state.json")) as f:

@@ -176,7 +176,10 @@ def test_one_zero_offload_run_without_datasets(tmp_path):
         str(out), offload=True, steps=4, block_size=32, batch=2, lr=3e-3, seed=1,
         logging_steps=2, bf16=False, extra=["--corpus_mb", "0.05", "--vocab_size", "300"],
         overrides=TINY)
+    run_clm = _clm.load_run_clm()
+    own = (run_clm.load_texts, run_clm.tokenize_blocks, run_clm.build_model)
     _clm.child(str(tmp_path / "r.json"), argv, use_datasets=False)
+    assert (run_clm.load_texts, run_clm.tokenize_blocks, run_clm.build_model) == own
     r = json.loads((tmp_path / "r.json").read_text())
     assert [s for s, _ in r["losses"]] == [2, 4] and r["datasets"] is False
     assert r["n_params"] > 0 and r["peak_bytes"] is None and r["train_loss"] > 0

@@ -109,6 +109,7 @@ def sanitizer_catches_planted_race() -> bool:
     """The example of torch's own docs: a tensor written on the default stream, then on a
     new stream with no wait. Its report is swallowed here, so that any report in the log
     is a real one."""
+    # here, not at the top: sanitizer_on() tells it is on by torch having imported it already
     from torch.cuda._sanitizer import CUDASanitizerErrors
 
     a = torch.rand(1 << 16, device="cuda")
