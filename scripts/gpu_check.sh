@@ -5,16 +5,16 @@
 # Stages, each with its own timeout (the list is at the end of this file): env (nvidia-smi,
 # versions), cuda (torch.cuda.is_available() and one kernel; when it fails nothing else runs),
 # build (the CPU-Adam extension, in place), kernel_tests (the CPU-Adam's tests on this host's
-# CPU, native and portable builds), gpu_tests (pytest -m gpu with HF_ZOFFLOAD_REQUIRE_GPU=1: a
-# skipped gpu test fails, and so does collecting none), the engine checks
-# (scripts/gpu_race.py, also under torch's CUDA stream sanitizer; scripts/gpu_nccl_one_rank.py;
-# scripts/gpu_host_memory.py), run_clm.py with and without --zero_offload
-# (scripts/gpu_clm_compare.py); then the measured stages: size (scripts/gpu_size.py),
-# practicality (scripts/gpu_practicality.py), peers (scripts/gpu_peers.py: torchao from
-# wheels/, see scripts/gpu_wheels.sh), bench_scaling and bench_cpu_adam. Every stage runs even
-# after an earlier one failed; the exit status is non-zero if any failed. The whole run stays
-# within GPU_CHECK_BUDGET_S (300 s): a stage gets what is left of it when that is less than
-# its own timeout, and sees its limit as GPU_CHECK_STAGE_S.
+# CPU, native and portable builds), gpu_tests (pytest -m gpu over tests/ but tests/gpu/), the
+# engine checks, each a gpu test of tests/gpu/ run on its own (race: test_race.py, also under
+# torch's CUDA stream sanitizer; nccl_one_rank; host_memory), run_clm.py with and without
+# --zero_offload (tests/gpu/test_clm_compare.py); then the measured stages, scripts of
+# scripts/bench/: size (gpu_size.py), practicality (gpu_practicality.py), peers (gpu_peers.py:
+# torchao from wheels/, see scripts/gpu_wheels.sh), bench_scaling and bench_cpu_adam. Every
+# pytest runs with HF_ZOFFLOAD_REQUIRE_GPU=1: a skipped gpu test fails, and so does selecting
+# none. Every stage runs even after an earlier one failed; the exit status is non-zero if any
+# failed. The whole run stays within GPU_CHECK_BUDGET_S (300 s): a stage gets what is left of
+# it when that is less than its own timeout, and sees its limit as GPU_CHECK_STAGE_S.
 #
 # --only NAME,... runs env and cuda, then only the stages named, in this file's order (an
 # unknown name is an error naming the stages, before anything runs). A later stage may need
@@ -25,7 +25,8 @@
 # figures, the last 40 lines of each failed stage's log), env.log and cuda.log, logs.txt (every
 # later stage's log under a "===== NAME: result, seconds =====" header, appended as the stage
 # ends) and, while a stage runs, its own NAME.log. Figures: the lines a stage prints starting
-# with "summary: " (prefix dropped) go to summary.md under the stage's name; the benchmarks,
+# with "summary: " (prefix dropped) go to summary.md under the stage's name (the gpu tests of
+# tests/gpu/ print theirs after pytest's report: tests/gpu/conftest.py); the benchmarks,
 # which print markdown tables, contribute their table lines instead.
 #
 # To add a check, add a `stage NAME TIMEOUT_S CMD...` line below and NAME to STAGES. CMD is a
@@ -301,8 +302,9 @@ EOF
 }
 
 gpu_tests() {
+    # tests/gpu/ holds the engine checks, which the stages after this one run one at a time
     local rc out="$SCRATCH/gpu_tests.out"
-    "$PY" -m pytest tests -m gpu -q -p no:cacheprovider --durations=15 \
+    "$PY" -m pytest tests -m gpu --ignore=tests/gpu -q -p no:cacheprovider --durations=15 \
         --continue-on-collection-errors 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     # pytest's last line: "24 passed in 51.20s", or the failures and errors
@@ -315,15 +317,24 @@ gpu_tests() {
     return "$rc"
 }
 
+gpu_test() {  # gpu_test [PYTEST_OPTION...] TEST...: pytest -m gpu on these tests of tests/gpu/
+    # Their figures are the "summary: " lines printed after pytest's report; a test that
+    # skips fails (HF_ZOFFLOAD_REQUIRE_GPU=1), and so does a run that selects none (exit 5).
+    # Their tmp_path folders (run_clm's two saved models: ~0.6 GB) go into SCRATCH.
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider --basetemp "$SCRATCH/pytest" "$@"
+}
+export -f gpu_test  # race_sanitizer calls it from its own bash
+
 race_sanitizer() {
     # torch's CUDA stream sanitizer (torch/cuda/_sanitizer.py) prints each unsynchronized
     # access it finds to stderr, starting "CSAN detected a possible data race", and raises
     # CUDASanitizerErrors from that op. A report fails the stage even where the exception was
-    # swallowed on the way (a hook, a thread). --expect_sanitizer makes the script check first
-    # that the sanitizer is on and reports a planted race (that report is not printed).
+    # swallowed on the way (a hook, a thread); -s turns pytest's capture off, so that such a
+    # report reaches the log from a test that passed too. The test checks first that the
+    # sanitizer is on and reports a planted race (that report is not printed).
     local rc races out="$SCRATCH/race_sanitizer.out"
-    TORCH_CUDA_SANITIZER=1 "$PY" scripts/gpu_race.py --short --expect_sanitizer 2>&1 \
-        | tee "$out"
+    TORCH_CUDA_SANITIZER=1 gpu_test -s \
+        tests/gpu/test_race.py::test_race_under_the_cuda_sanitizer 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     races="$(grep -c 'CSAN detected a possible data race' "$out")"
     if [ "${races:-0}" -gt 0 ]; then
@@ -350,25 +361,25 @@ fi
 stage build 18 "$PY" setup.py build_ext --inplace --force  # 8-13 s on the 2-vCPU VM
 stage kernel_tests 25 bash scripts/gpu_kernel_tests.sh
 stage gpu_tests 30 gpu_tests  # 27 tests; collecting the suite took 6 s on the VM
-# 6 steps, not 8: the delayed update starts at step 2 and the fp16 overflow is at step 3, so
-# every configuration still crosses both; each step is ~10 copies delayed ~1 ms.
-stage race 15 "$PY" scripts/gpu_race.py --steps 6
+# The engine checks: their sizes (steps, configurations) are the tests' own constants, each
+# chosen there for this stage's timeout. pytest adds its start and collection to each: ~1 s
+# estimated there; 3-5 s measured on the loaded 2-vCPU VM, where importing torch took 19 s.
+stage race 15 gpu_test tests/gpu/test_race.py::test_race_stress
 stage race_sanitizer 20 race_sanitizer
-# 4 steps, not 6: the overflow is at step 2 and steps 2-3 are delayed; 2 more after loading.
-stage nccl_one_rank 11 "$PY" scripts/gpu_nccl_one_rank.py --steps 4
-stage host_memory 9 "$PY" scripts/gpu_host_memory.py
-# Both runs at once, each its own process (own peak memory; the same seed and losses): one
-# run's imports, tokenizer and 50 steps (~15 s, estimated) instead of two after each other.
-stage run_clm 25 "$PY" scripts/gpu_clm_compare.py --parallel --run_timeout 20
+stage nccl_one_rank 11 gpu_test tests/gpu/test_nccl_one_rank.py::test_one_rank_nccl_group
+stage host_memory 9 gpu_test \
+    tests/gpu/test_host_memory.py::test_pinned_allocator_holds_what_the_report_counts
+stage run_clm 25 gpu_test tests/gpu/test_clm_compare.py::test_run_clm_with_and_without_zero_offload
 # 9 GiB: AMP AdamW is predicted to fit 1 layer of 4096 (0.46B params: 8.5 GiB at 18 B/param
 # and 0.75 GiB beside) and not 2 (11.9 GiB); zoffload 20 (4.3B), whose fp32-state probe
 # (59 GiB of host) and the next rung's int8 one (37 GiB) fit the 128 GiB host at once: one
 # round, ~25 s estimated. At 16 GiB the two would need 175 GiB, one after the other.
-stage size 40 "$PY" scripts/gpu_size.py --cap_gib 9
+stage size 40 "$PY" scripts/bench/gpu_size.py --cap_gib 9
 # These two replace bench_offload.py --device cuda (the same ways on GPT-2-124M, 55 s): on a
 # 1.1B model the CPU-Adam's share of a step is what a user of offload meets.
-stage practicality 28 "$PY" scripts/gpu_practicality.py --json "$SCRATCH/practicality.json"
-stage peers 18 "$PY" scripts/gpu_peers.py --wheels "$ROOT/wheels" \
+stage practicality 28 "$PY" scripts/bench/gpu_practicality.py \
+    --json "$SCRATCH/practicality.json"
+stage peers 18 "$PY" scripts/bench/gpu_peers.py --wheels "$ROOT/wheels" \
     --against "$SCRATCH/practicality.json"
 # 100M fp16 elements: 4 buckets of the default 25M instead of 40. Per-bucket costs (launch,
 # read) and so every ratio in the table stay the same; allocation and timing take a tenth.

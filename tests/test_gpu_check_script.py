@@ -6,6 +6,7 @@ under the switch a `gpu` test that does not run is a failure, not a skip. The st
 CUDA_VISIBLE_DEVICES="" hides any GPU from the subprocesses, so this holds on a GPU machine too.
 """
 
+import importlib
 import os
 import re
 import subprocess
@@ -70,10 +71,14 @@ def _pytest(tmp_path, args, **env):
 
 @pytest.mark.slow
 def test_require_gpu_turns_the_no_cuda_skip_into_a_failure(tmp_path):
-    args = [GPU_TEST_FILE, "-m", "gpu"]
+    """A gpu test elsewhere in the suite and the tests/gpu/ checks the stages run, as they run
+    them: skipped without CUDA, failures under the switch."""
+    nodes = _stage_tests()
+    args = [GPU_TEST_FILE, *nodes, "-m", "gpu"]
     proc, outcomes = _pytest(tmp_path, args)
     assert proc.returncode == 0, proc.stdout
     assert outcomes and set(outcomes.values()) == {"skipped"}, outcomes
+    assert {n.split("::")[1] for n in nodes} < set(outcomes)
 
     proc, outcomes = _pytest(tmp_path, args, HF_ZOFFLOAD_REQUIRE_GPU="1")
     assert proc.returncode == 1, proc.stdout
@@ -125,29 +130,66 @@ def test_require_gpu_fails_a_gpu_test_that_skips_itself(tmp_path):
     assert "this gpu test skipped (Skipped: no luck" in proc.stdout
 
 
+@pytest.mark.slow
+def test_gpu_test_figures_are_whole_summary_lines_after_the_report(tmp_path):
+    """tests/gpu/conftest.py's ``figures``, as a stage's pytest prints them (-q, captured or
+    -s): each line whole, after pytest's progress, those of a failing test too."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(textwrap.dedent("""
+        import pytest
+
+        def test_one(figures):
+            print("progress", end="")
+            figures.extend(["| a | b |", "|---|---|"])
+
+        def test_two(figures):
+            figures.append("**went wrong**")
+            pytest.fail("no")
+    """))
+    args = ["-c", "pyproject.toml", "--rootdir", str(ROOT), "-p", "tests.gpu.conftest",
+            str(probe)]
+    for extra in ([], ["-s"]):
+        proc, outcomes = _pytest(tmp_path, [*extra, *args])
+        assert outcomes == {"test_one": "passed", "test_two": "failure"}, proc.stdout
+        lines = proc.stdout.splitlines()
+        figures = [x for x in lines if x.startswith("summary: ")]
+        assert figures == ["summary: | a | b |", "summary: |---|---|",
+                           "summary: **went wrong**"], proc.stdout
+        failures = next(i for i, x in enumerate(lines) if " FAILURES " in x)  # after progress
+        assert lines.index(figures[0]) > failures, proc.stdout
+
+
 # ------------------------------------------------------------- the stage machinery
 FAKE_PYTHON = """\
 #!/usr/bin/env bash
 # Plays each stage of gpu_check.sh without a GPU; FAKE_CALLS: a file that lists every call.
 [ -z "${FAKE_CALLS:-}" ] || echo "$*" >>"$FAKE_CALLS"
+t="-m pytest -m gpu -q -p no:cacheprovider --basetemp "  # gpu_check.sh's gpu_test
 case "$*" in
   -) cat >/dev/null; echo "info gpu: Fake GPU"; echo "info torch: fake";;
   "- "*) cat >/dev/null; echo "summary: $2: variants here generic, native; auto runs native";;
   *setup.py*) echo built;;
   *"-m pytest tests/ops/"*) [ -f tests/ops/test_cpu_adam.py ] || exit 4
     echo "298 passed in 6.00s";;
-  *"-m pytest"*) echo ".."; echo "24 passed in 51.20s";;
-  *gpu_race.py*--short*)
+  *"tests/gpu/test_race.py::test_race_under_the_cuda_sanitizer")
+    [[ "$*" == *"$t"*"/pytest -s "* ]] || exit 6
     [ -n "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
     [ -z "${FAKE_CSAN:-}" ] || echo "CSAN detected a possible data race on tensor" >&2
     echo "summary: | config | sanitized |";;
-  *gpu_race.py*) echo "summary: | config | vs CPU engine |"; echo "summary: | fp16 | equal |";;
-  *gpu_nccl_one_rank.py*) echo "summary: 7/7 nccl";;
-  *gpu_host_memory.py*) echo "summary: host figures"; echo "host went wrong" >&2; exit 1;;
-  *gpu_clm_compare.py*--parallel*) echo "summary: clm figures";;
-  *gpu_size.py*) echo "summary: size figures, limit ${GPU_CHECK_STAGE_S:-unset} s";;
-  *gpu_practicality.py*--json*) echo "summary: practicality figures";;
-  *gpu_peers.py*--wheels*--against*) echo "summary: peers figures";;
+  *"$t"*"/pytest tests/gpu/test_race.py::test_race_stress")
+    [ -z "${TORCH_CUDA_SANITIZER:-}" ] || exit 3
+    echo "."; echo "summary: | config | vs CPU engine |"; echo "summary: | fp16 | equal |"
+    echo "1 passed in 9.00s";;
+  *"$t"*"/pytest tests/gpu/test_nccl_one_rank.py::"*)
+    echo "summary: 7/7 nccl";;
+  *"$t"*"/pytest tests/gpu/test_host_memory.py::"*)
+    echo "summary: host figures"; echo "host went wrong" >&2; exit 1;;
+  *"$t"*"/pytest tests/gpu/test_clm_compare.py::"*)
+    echo "summary: clm figures";;
+  *"-m pytest tests -m gpu --ignore=tests/gpu "*) echo ".."; echo "24 passed in 51.20s";;
+  *bench/gpu_size.py*) echo "summary: size figures, limit ${GPU_CHECK_STAGE_S:-unset} s";;
+  *bench/gpu_practicality.py*--json*) echo "summary: practicality figures";;
+  *bench/gpu_peers.py*--wheels*--against*) echo "summary: peers figures";;
   *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
   *bench_cpu_adam.py*"--threads 1,"[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
   *) echo "unexpected: $*" >&2; exit 9;;
@@ -216,7 +258,8 @@ def test_gpu_check_only_runs_env_cuda_and_the_chosen_stages(tmp_path):
     assert re.findall(r"^===== (\w+): ", (out / "logs.txt").read_text(), re.M) == [
         "race", "bench_cpu_adam"]
     ran = calls.read_text()
-    assert "gpu_race.py --steps 6" in ran and "setup.py" not in ran and "pytest" not in ran
+    assert "tests/gpu/test_race.py::test_race_stress" in ran and "setup.py" not in ran
+    assert "--ignore=tests/gpu" not in ran and "tests/ops/" not in ran  # gpu_tests, kernel_tests
     # a failing chosen stage still fails the run
     proc, out = _gpu_check(tmp_path, "--only=host_memory")
     assert proc.returncode == 1
@@ -246,6 +289,34 @@ def test_gpu_check_fails_the_sanitizer_stage_on_a_report(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| race_sanitizer | fail (exit 1) |" in summary
     assert "**the CUDA stream sanitizer reported 1 possible data race(s)**" in summary
+
+
+def _stage_tests() -> list[str]:
+    """The tests of tests/gpu/ that gpu_check.sh's stages name, as pytest node ids."""
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    return re.findall(r"\btests/gpu/test_\w+\.py::\w+", text)
+
+
+def _gpu_marked(fn) -> bool:
+    return any(m.name == "gpu" for m in getattr(fn, "pytestmark", []))
+
+
+def test_stages_name_gpu_tests_that_exist_and_every_one_runs():
+    """Each test a stage names is a gpu test of tests/gpu/ (a typo would select none, which
+    fails only on the GPU machine), and every gpu test there has its stage."""
+    named = _stage_tests()
+    assert len(named) == len(set(named)) == 5, named
+    for node in named:
+        path, name = node.split("::")
+        module = importlib.import_module(path[:-len(".py")].replace("/", "."))
+        fn = getattr(module, name, None)
+        assert fn is not None and _gpu_marked(fn), node
+    found = set()
+    for path in sorted((ROOT / "tests" / "gpu").glob("test_*.py")):
+        module = importlib.import_module(f"tests.gpu.{path.stem}")
+        found |= {f"tests/gpu/{path.name}::{name}" for name, fn in vars(module).items()
+                  if name.startswith("test_") and _gpu_marked(fn)}
+    assert found == set(named)
 
 
 def _stage_timeouts() -> dict[str, int]:

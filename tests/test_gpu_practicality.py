@@ -1,8 +1,8 @@
-"""scripts/gpu_practicality.py, scripts/gpu_peers.py and scripts/gpu_wheels.sh, checked where
-there is no GPU: the rows and ratios, the argument errors, a tiny CPU run of each way, the
-wheels unpacked onto sys.path, a peer missing (a figure) or broken (a failure), and a carried
-stand-in for torchao measured against practicality's figures (all in this process, with
---device cpu, so this holds on a GPU machine too).
+"""scripts/bench/gpu_practicality.py, scripts/bench/gpu_peers.py and scripts/gpu_wheels.sh,
+checked where there is no GPU: the rows and ratios, the argument errors, a tiny CPU run of each
+way, the wheels unpacked onto sys.path, a peer missing (a figure) or broken (a failure), and a
+carried stand-in for torchao measured against practicality's figures (all in this process,
+with --device cpu, so this holds on a GPU machine too).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import _gpu_llama as llama  # noqa: E402
-import gpu_peers  # noqa: E402
-import gpu_practicality  # noqa: E402
+BENCH = str(SCRIPTS / "bench")
+sys.path.insert(0, BENCH)  # the measurement scripts import their siblings as a script does
+try:
+    import _gpu_llama as llama
+    import gpu_peers
+    import gpu_practicality
+finally:
+    sys.path.remove(BENCH)
 
 GiB = 2**30
 TINY = ("hidden_size=32,intermediate_size=64,num_attention_heads=4,num_key_value_heads=2,"

@@ -1,5 +1,5 @@
-"""scripts/gpu_size.py and the Llama helpers the measured GPU stages share
-(scripts/_gpu_llama.py), checked where there is no GPU: the parameter counts, the model
+"""scripts/bench/gpu_size.py and the Llama helpers the measured GPU stages share
+(scripts/bench/_gpu_llama.py), checked where there is no GPU: the parameter counts, the model
 configs and both training steps on a tiny CPU model, the ladder search against oracles, the
 round planning, the report, the argument errors, and probes run on the CPU.
 
@@ -16,15 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._env import cpu_only_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import _gpu_llama as llama  # noqa: E402
-import gpu_size  # noqa: E402
-
-from tests._env import cpu_only_env  # noqa: E402
+BENCH = str(SCRIPTS / "bench")
+sys.path.insert(0, BENCH)  # the measurement scripts import their siblings as a script does
+try:
+    import _gpu_llama as llama
+    import gpu_size
+finally:
+    sys.path.remove(BENCH)
 
 GiB = 2**30
 TINY = ("hidden_size=32,intermediate_size=64,num_attention_heads=4,num_key_value_heads=2,"

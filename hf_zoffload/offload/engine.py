@@ -6,13 +6,10 @@ Host: fp32 master weights and Adam moments (fp32, bf16 or 8-bit: ``state_dtype``
 bucket's 16-bit grads it has just read, copied back one copy per param (CUDA, delayed update),
 or on the CPU straight into each param's storage.
 
-Per backward, a post-accumulate-grad hook moves each gradient into its bucket's flat buffer
-and frees ``param.grad``; a complete bucket goes to the exchange (exchange.py: one process,
-partitioned.py: data parallel, tensor_parallel.py: DTensor shards), which checks it (inf/nan
-flag and squared norm, one kernel) and lands it on the host through the copier (copier.py).
-Gradient accumulation needs no boundary signal: every backward since the last ``step()`` /
-``zero_grad()`` is summed, the second and later ones into an fp32 host buffer
-(docs/design.md, "Accumulation window").
+Per backward, each gradient goes into its bucket's flat buffer and a complete bucket to the
+exchange (exchange.py: one process, partitioned.py: data parallel, tensor_parallel.py:
+DTensor shards), which checks it and lands it on the host through the copier (copier.py).
+See docs/design.md, "Data flow" and "Accumulation window".
 
 The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
 exchange.py), the bucket order (reorder.py), the module waits (hooks.py) and the delayed

@@ -1,14 +1,11 @@
 """The params as the model has them: what may have changed under the engine between steps.
 
-Params moved or recast after the engine was built (``model.cuda()`` or ``model.half()``
-after creating the optimizer, the Trainer with ``place_model_on_device=False``) would be
-written through the wrong kind of pointer, a host kernel into device memory: `check_placement`
-refuses before any work. Weights put into the params from outside since the engine last
-wrote them (``model.load_state_dict``, ``param.copy_``, a new ``param.data``) show in the
-param's version counter or storage (`ParamWatch`) and become the master weights of those
-params; the moments and step counts stay, as a torch optimizer's do. Without this the next
-upload would bring the stale masters back. An in-place edit through ``param.data`` bumps no
-version counter and is not seen (docs/design.md, "What changes under the engine").
+`check_placement` refuses params moved or recast after the engine was built (``model.cuda()``,
+``model.half()``, the Trainer with ``place_model_on_device=False``), before any work.
+`ParamWatch` sees weights put into the params from outside since the engine last wrote them
+(by version counter or storage), which then become those params' master weights, so the next
+upload does not bring the stale masters back. The rules, and what is not seen: see
+docs/design.md, "What changes under the engine".
 """
 
 from __future__ import annotations

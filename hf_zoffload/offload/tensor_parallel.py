@@ -1,24 +1,13 @@
 """Tensor parallelism (DTensor params) with ZeRO-Offload, and the choice of the exchange.
 
 Each rank's buckets hold its local tensors: a sharded param's local shard, a replicated
-param (plain, or a Replicate DTensor) whole. Their gradients arrive complete on every rank
-(the tensor-parallel collectives of forward and backward made them so), so streaming,
-the CPU-Adam and the uploads are those of one process, or of data parallelism over the
-ranks that hold the same shards: `TensorParallelExchange` wraps that exchange (``inner``) and
-changes only what spans the tensor-parallel ranks (docs/design.md, "Tensor-parallel
-protocol"):
-
-- the step's one all-reduce runs over every rank (data x tensor parallel): the overflow
-  flag, which params got a gradient (by param index: with uneven shards the buckets of two
-  tensor-parallel ranks may differ), and the squared norm, in which each rank's shards count
-  once and each replicated param once (its squares are divided by the tensor-parallel size
-  before the sum, which adds that many equal copies);
-- checkpoints: each param's local state becomes the whole tensor (an all-gather over the
-  mesh, DTensor's ``full_tensor``), and loading takes this rank's part of a whole one.
-
-Replicated params get bit-identical gradients on every tensor-parallel rank (computed from
-replicated activations, or all-reduced), and the CPU-Adam is deterministic for a given
-input, so every rank updates them the same without a collective.
+param (plain, or a Replicate DTensor) whole. `TensorParallelExchange` wraps the exchange of
+one process, or of data parallelism over the ranks that hold the same shards (``inner``), and
+changes only what spans the tensor-parallel ranks: the step's one all-reduce runs over every
+rank, and checkpoints hold whole tensors (loading takes this rank's part). `make_exchange`
+chooses the engine's exchange from the params and the process group. The protocol (why the
+grads are complete, how the norm counts shards and replicated params, why replicated params
+need no collective): see docs/design.md, "Tensor-parallel protocol".
 """
 
 from __future__ import annotations

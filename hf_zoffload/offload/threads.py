@@ -1,19 +1,12 @@
 """The host's threads and cores: how many threads the engine's host work runs on, and which
 cores each process on a node gets.
 
-Launchers export ``OMP_NUM_THREADS=1`` (``accelerate launch`` even for one GPU process,
-torchrun for several), so torch's own pool would run every host pass of the engine (the fp32
-accumulation fold, the host norm, filling absent slots, the re-layout's copies, checkpoints)
-on one core. The CPU-Adam takes its thread count as an argument; the rest runs inside
-`host_threads`, which sets torch's count for the calling thread while the engine works and puts
-it back after (about 1 us a switch, measured on the 2-vCPU EPYC: nothing next to a step).
-
-Several processes on one node all start with the same affinity mask, so their CPU-Adams share
-every core (DeepSpeed measured a 2887 -> 2497 ms step from binding cores to ranks).
-`bind_local_rank` gives each local rank its own whole physical cores (hyperthread siblings
-stay together), once, before the host state is allocated: its pages are then first touched
-from the rank's own cores (NUMA-local). A process whose mask was narrowed already (numactl,
-taskset, a launcher's binding) is left as it is.
+`cpu_threads` is the CPU-Adam's thread count; the engine's other host passes run inside
+`host_threads`, which sets torch's count for the calling thread while the engine works and
+puts it back after. `bind_local_rank` gives each local rank of a node its own whole physical
+cores, once, before the host state is allocated, and leaves a mask narrowed already as it is.
+Why (launchers' ``OMP_NUM_THREADS=1``, ranks sharing cores) and the measurements: see
+docs/design.md, "Host memory".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tokens/s of ZeRO-Offload against plain AMP AdamW on a model that fits both ways, on CUDA.
 
-TinyLlama-1.1B's shape (scripts/_gpu_llama.py, 1.10B params, built from its config with
+TinyLlama-1.1B's shape (scripts/bench/_gpu_llama.py, 1.10B params, built from its config with
 random weights) trained on one fixed batch (default 8 x 1024 tokens), three ways in turn, each
 on a fresh model in this process:
   - torch AdamW (fused) on fp32 params under bf16 autocast, everything on the device;
@@ -29,8 +29,8 @@ import sys
 import time
 import traceback
 
-import _gpu_common as common
 import _gpu_llama as llama
+import _gpu_script as common
 import torch
 
 SCRIPT = "gpu_practicality.py"

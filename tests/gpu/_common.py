@@ -1,8 +1,9 @@
-"""What the GPU check scripts (scripts/gpu_*.py, run by scripts/gpu_check.sh) share.
+"""What the gpu checks of tests/gpu/ share: their figures, and an exact synthetic training.
 
-- `require_cuda`: each script exits 1 at once, saying "CUDA is needed", where CUDA is absent.
-- `summary`: lines printed as ``summary: <markdown>``; gpu_check.sh copies them (without the
-  prefix) into summary.md under the stage's name, so each stage reports its figures there.
+- `finish`: a check's figures (markdown lines) go to the ``figures`` fixture
+  (tests/gpu/conftest.py: printed as ``summary: `` lines, which scripts/gpu_check.sh copies
+  into summary.md under the stage's name), its failures too, in bold; then the test fails if
+  there were any.
 - A synthetic training whose gradients are exact: params of odd sizes over several buckets,
   ``loss = sum((p.float() * c).sum())`` with constants ``c`` that are exact in the compute
   dtype, so every gradient is ``loss_scale * c`` exactly (the scale is a power of two) on any
@@ -13,76 +14,43 @@
 - `delayed_side`: ``CudaCopier.side`` patched to queue ``torch.cuda._sleep`` on the side stream
   before every copy (and the caller queues one on the compute stream before each backward), so
   a missing wait reads or overwrites a buffer too early and the runs part.
-
-Import-safe: nothing runs at import but the path set-up, so tests import these helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import weakref
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run from a checkout: the in-place build, no install
-    sys.path.insert(0, ROOT)
+import pytest
+import torch
 
-import torch  # noqa: E402
+from hf_zoffload.config import ZeroOffloadPlugin
+from hf_zoffload.offload.copier import CudaCopier
+from hf_zoffload.offload.engine import ZeroOffloadOptimizer
 
-from hf_zoffload.config import ZeroOffloadPlugin  # noqa: E402
-from hf_zoffload.offload.copier import CudaCopier  # noqa: E402
-from hf_zoffload.offload.engine import ZeroOffloadOptimizer  # noqa: E402
-
-SUMMARY_PREFIX = "summary: "
-CUDA_NEEDED = "CUDA is needed"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # ~1 ms at an H200's 1.98 GHz boost clock (up to ~6 ms at its 345 MHz idle clock): far
 # longer than any copy here (the largest bucket is 40 KiB, ~2 us), so a copy that is not
 # waited for is still queued when the host or the other stream touches its buffer. About
-# 1,600 delays in gpu_race.py's full run: 2 s at the boost clock.
+# 1,600 delays in test_race.py's stress at 8 steps a configuration: 2 s at the boost clock.
 SLEEP_CYCLES = 2_000_000
 
 
-def require_cuda(script: str) -> None:
-    """Exit 1 with a clear message unless a CUDA device is usable."""
-    if not torch.cuda.is_available():
-        sys.exit(f"{script}: {CUDA_NEEDED}: torch {torch.__version__} (built with CUDA "
-                 f"{torch.version.cuda}) sees no CUDA device. This check runs on a GPU "
-                 f"machine, through scripts/gpu_check.sh.")
-
-
-def summary(line: str) -> None:
-    print(SUMMARY_PREFIX + line, flush=True)
-
-
-def finish(script: str, lines: list[str], failures: list[str], *, label: str = "") -> int:
-    """Print the figures and failures as summary lines, then PASS / FAIL; the exit code."""
-    for line in lines:
-        summary(line)
-    for f in failures:
-        summary(f"**{label}** {f}" if label else f"**{f}**")
+def finish(figures: list[str], lines: list[str], failures: list[str], *,
+           label: str = "") -> None:
+    """``lines`` and then the failures (bold) into ``figures``; fails the test if any."""
+    figures.extend(lines)
+    figures.extend(f"**{label}** {f}" if label else f"**{f}**" for f in failures)
     if failures:
-        print(f"{script}: FAIL: " + "; ".join(failures), file=sys.stderr)
-        return 1
-    print(f"{script}: PASS")
-    return 0
+        pytest.fail("\n".join(failures), pytrace=False)
 
 
 def md_table(header: list[str], rows: list[list]) -> list[str]:
     """Markdown table lines: header, separator, rows (cells formatted with str)."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 # ---------------------------------------------------------------- synthetic training

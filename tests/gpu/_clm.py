@@ -1,25 +1,23 @@
-#!/usr/bin/env python
-"""scripts/run_clm.py --bf16 with --zero_offload against the stock Trainer, on CUDA.
+"""scripts/run_clm.py --bf16 with --zero_offload against the stock Trainer: the runs and their
+comparison, for tests/gpu/test_clm_compare.py.
 
-Trains a ~100M-parameter Llama from a config (12 layers of width 768) for --steps steps on
-run_clm's built-in corpus (the standard library's sources, a tokenizer trained on them), the
-same command once with and once without ``--zero_offload``, each in its own process (one
-after the other, or both at once with ``--parallel``) and with the same seed. Passes when the
-final logged loss (the mean of the last --logging_steps steps) of the two runs is within
---max_rel (1%) and both runs' loss fell; prints both losses and both runs' peak device memory
-(``torch.cuda.max_memory_allocated()``) as ``summary:`` lines.
+`run_pair` runs the same command once with and once without ``--zero_offload``, each in its
+own process (one after the other, or both at once with ``parallel``) and with the same seed:
+``python -m tests.gpu._clm --child RESULT [--no_datasets] -- RUN_CLM_ARGS`` runs run_clm's
+``main`` in that process and writes its losses, parameter count, peak device memory
+(``torch.cuda.max_memory_allocated()``) and seconds to RESULT (JSON). `compare_runs` passes
+when the final logged loss (the mean of the last logging_steps steps) of the two runs is
+within ``max_rel`` and both runs' loss fell.
 
 The stock Trainer keeps fp32 weights under bf16 autocast; ZeRO-Offload keeps bf16 weights on
 the device and fp32 master weights on the host. The runs therefore differ by bf16 roundings
 only, not bitwise.
 
 run_clm.py prepares its data with the ``datasets`` library. Where that is not installed (the
-GPU machines of this project: .library/device/KINDS.md), each run replaces run_clm's two data
-functions, ``load_texts`` and ``tokenize_blocks``, by list-based stand-ins that produce the
-same blocks for the built-in corpus (tests/test_gpu_scripts.py compares them with the real
-ones); the model, the Trainer and the engine are run_clm's own. The summary says which path ran.
-
-Needs CUDA (the runs themselves, ``--child``, also run on the CPU: the test suite does).
+GPU machines of this project), each run replaces run_clm's two data functions, ``load_texts``
+and ``tokenize_blocks``, by list-based stand-ins that produce the same blocks for the built-in
+corpus (test_clm_compare.py compares them with the real ones); the model, the Trainer and the
+engine are run_clm's own. The figures say which path ran.
 """
 
 from __future__ import annotations
@@ -29,17 +27,18 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-import _gpu_common as common
 import torch
 
-SCRIPT = "gpu_clm_compare.py"
-HERE = os.path.dirname(os.path.abspath(__file__))
+from hf_zoffload.offload.memory import human
+from tests.gpu import _common as common
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_CLM = ROOT / "scripts" / "run_clm.py"
 # 12 x (4 x 768^2 attention + 3 x 768 x 2432 MLP) + 2 x 2048 x 768 embeddings and head:
 # 98.7M params with run_clm's 2048-entry tokenizer. head_dim is given: LlamaConfig() fixes it
 # at 128 from its own defaults, and update_from_string does not recompute it (127M then).
@@ -78,8 +77,8 @@ def load_texts_without_datasets(data) -> dict:
     """run_clm.load_texts for the built-in corpus: the same train / validation split as
     ``train_test_split(test_size=pct / 100, shuffle=False)`` (the test share rounded up)."""
     if data.dataset_name or data.train_file:
-        raise SystemExit(f"{SCRIPT}: --dataset_name / --train_file need the datasets library, "
-                         f"which is not installed; only the built-in corpus works without it")
+        raise SystemExit("--dataset_name / --train_file need the datasets library, "
+                         "which is not installed; only the built-in corpus works without it")
     from hf_zoffload.integrations import defaults  # transformers: not for a run without CUDA
 
     pct = data.validation_split_percentage
@@ -112,11 +111,19 @@ def tokenize_blocks_without_datasets(raw, tokenizer, *, column: str, block_size:
 
 
 def load_run_clm():
-    """scripts/run_clm.py as a module (this directory is on sys.path, as the script's own).
-    Imported on use: it imports transformers, which a run without CUDA need not wait for."""
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    return importlib.import_module("run_clm")
+    """scripts/run_clm.py as the module ``run_clm`` (loaded from its file once; registered in
+    sys.modules first, as an import does: its dataclasses look their module up there).
+    Loaded on use: it imports transformers, which the gpu test's own process need not."""
+    if "run_clm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("run_clm", RUN_CLM)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["run_clm"] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["run_clm"]
+            raise
+    return sys.modules["run_clm"]
 
 
 def have_datasets() -> bool:
@@ -126,25 +133,31 @@ def have_datasets() -> bool:
 # ------------------------------------------------------------------------ one run
 def child(result_path: str, argv: list[str], *, use_datasets: bool) -> None:
     """Run run_clm.main(argv) in this process; write its losses, parameter count, peak
-    device memory and seconds to ``result_path`` (JSON)."""
+    device memory and seconds to ``result_path`` (JSON). run_clm's functions replaced for
+    the run are put back after it (a test runs this in the suite's own process)."""
     run_clm = load_run_clm()
-    if not use_datasets:
-        run_clm.load_texts = load_texts_without_datasets
-        run_clm.tokenize_blocks = tokenize_blocks_without_datasets
+    saved = {name: getattr(run_clm, name)
+             for name in ("load_texts", "tokenize_blocks", "build_model")}
     info = {}
-    build_model = run_clm.build_model
 
     def counting_build_model(*args, **kwargs):
-        model = build_model(*args, **kwargs)
+        model = saved["build_model"](*args, **kwargs)
         info["n_params"] = model.num_parameters()
         return model
 
+    if not use_datasets:
+        run_clm.load_texts = load_texts_without_datasets
+        run_clm.tokenize_blocks = tokenize_blocks_without_datasets
     run_clm.build_model = counting_build_model
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    results = run_clm.main(argv)
+    try:
+        results = run_clm.main(argv)
+    finally:
+        for name, fn in saved.items():
+            setattr(run_clm, name, fn)
     seconds = time.perf_counter() - t0
     output_dir = argv[argv.index("--output_dir") + 1]
     with open(os.path.join(output_dir, "trainer_state.json")) as f:
@@ -174,11 +187,18 @@ def run_clm_args(output_dir: str, *, offload: bool, steps: int, overrides: str,
 
 
 def child_command(name: str, result: str, *, use_datasets: bool, **kwargs) -> list[str]:
-    """The command line of one run (this script with --child)."""
-    return [sys.executable, os.path.abspath(__file__), "--child", result,
+    """The command line of one run (this module with --child)."""
+    return [sys.executable, "-m", __name__, "--child", result,
             *(["--no_datasets"] if not use_datasets else []), "--",
             *run_clm_args(os.path.join(os.path.dirname(result), name),
                           offload=name == "zero_offload", **kwargs)]
+
+
+def child_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH: the child imports this module
+    (``-m tests.gpu._clm``) and the package from there."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path]))}
 
 
 def run_pair(work: str, *, use_datasets: bool, timeout: float, parallel: bool = False,
@@ -192,7 +212,8 @@ def run_pair(work: str, *, use_datasets: bool, timeout: float, parallel: bool = 
         cmd = child_command(name, res, use_datasets=use_datasets, **kwargs)
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         log = open(os.path.join(work, f"{name}.log"), "w") if parallel else None
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                cwd=ROOT, env=child_env())
         started.append((name, proc, res, log, time.monotonic() + timeout))
         if not parallel:
             _finish_run(*started[-1], results, failures)
@@ -243,7 +264,7 @@ def compare_runs(stock: dict, offload: dict, *, max_rel: float) -> tuple[list[st
                         f"differ by {rel:.2%}, more than {max_rel:.0%}")
 
     def mem(r):
-        return common.human_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
+        return human(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
 
     rows = [[name, f"{(r.get('n_params') or 0) / 1e6:.1f}M", f"{r['losses'][0][1]:.4f}",
              f"{r['losses'][-1][1]:.4f} (step {r['losses'][-1][0]})",
@@ -262,55 +283,22 @@ def compare_runs(stock: dict, offload: dict, *, max_rel: float) -> tuple[list[st
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--max_rel", type=float, default=0.01,
-                   help="largest relative difference of the final losses")
-    p.add_argument("--config_overrides", default=LLAMA_100M)
-    p.add_argument("--block_size", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--logging_steps", type=int, default=10)
-    p.add_argument("--run_timeout", type=float, default=120.0, help="seconds per run")
-    p.add_argument("--parallel", action="store_true",
-                   help="both runs at once (each its own process, so its own peak memory and "
-                        "the same losses; the seconds shown then overlap)")
-    p.add_argument("--work_dir", default=None,
-                   help="where the runs write (default: a temporary directory, removed)")
+    """The child's command line: ``--child RESULT [--no_datasets] -- RUN_CLM_ARGS``."""
+    p = argparse.ArgumentParser(prog="python -m tests.gpu._clm",
+                                description="one run_clm.py run in this process, its figures "
+                                            "written to RESULT_JSON (run_pair starts it)")
+    p.add_argument("--child", metavar="RESULT_JSON", required=True)
     p.add_argument("--no_datasets", action="store_true",
                    help="use the stand-in data functions even where datasets is installed")
-    p.add_argument("--child", metavar="RESULT_JSON", default=None,
-                   help="internal: run run_clm.py with the arguments after '--' in this "
-                        "process and write its figures to RESULT_JSON")
-    p.add_argument("run_clm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("run_clm_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    use_datasets = have_datasets() and not args.no_datasets
-    if args.child:
-        rest = args.run_clm_args[1:] if args.run_clm_args[:1] == ["--"] else args.run_clm_args
-        child(args.child, rest, use_datasets=use_datasets)
-        return 0
-    common.require_cuda(SCRIPT)
-    work = args.work_dir or tempfile.mkdtemp(prefix="gpu_clm_compare_",
-                                              dir=os.environ.get("SCRATCH") or None)
-    try:
-        results, failures = run_pair(
-            work, use_datasets=use_datasets, timeout=args.run_timeout, parallel=args.parallel,
-            steps=args.steps,
-            overrides=args.config_overrides, block_size=args.block_size, batch=args.batch,
-            lr=args.lr, seed=args.seed, logging_steps=args.logging_steps)
-        lines = []
-        if not failures:
-            lines, failures = compare_runs(results["stock"], results["zero_offload"],
-                                           max_rel=args.max_rel)
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    return common.finish(SCRIPT, lines, failures)
+    rest = args.run_clm_args[1:] if args.run_clm_args[:1] == ["--"] else args.run_clm_args
+    child(args.child, rest, use_datasets=have_datasets() and not args.no_datasets)
+    return 0
 
 
 if __name__ == "__main__":

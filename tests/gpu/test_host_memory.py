@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """torch's pinned host allocator against the engine's ``memory_report()``, on CUDA.
 
 After a few fp16 steps (delayed update and 2 micro-steps per step, so every kind of host
 buffer exists: both sets of gradient landing buffers, which also carry the new params back,
-and the fp32 sum), prints what ``torch.cuda.host_memory_stats()`` says the pinned allocator
+and the fp32 sum), reports what ``torch.cuda.host_memory_stats()`` says the pinned allocator
 holds, the engine's host buffers that really are pinned (``is_pinned()``) with the
 allocations they are views of, and what ``memory_report()`` counts as host staging
 (``grad_staging``: on CUDA the pinned buffers; master weights, moments and the fp32 sum are
@@ -12,24 +11,25 @@ pageable).
 Fails only on an inconsistency: the engine's pinned allocations, or the staging bytes the
 report counts while the engine pins, exceeding what the allocator holds (the allocator owns
 every pinned block, so it cannot hold less), or the stats lacking the byte counts. torch
-rounds each pinned block up to a power of two (docs/design.md, Measured facts): what that
-costs is printed as ratios, not judged.
+rounds each pinned block up to a power of two (docs/design.md, Host memory): what that
+costs is a figure (ratios), not judged.
 
-Needs CUDA. Prints ``summary:`` lines (scripts/gpu_check.sh).
+`test_pinned_allocator_holds_what_the_report_counts` is the gpu test (scripts/gpu_check.sh's
+host_memory stage); the others check its verdict and buffer census on the CPU.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import math
 
-import _gpu_common as common
+import pytest
 import torch
 
 from hf_zoffload.config import ZeroOffloadPlugin
 from hf_zoffload.offload.engine import ZeroOffloadOptimizer
+from hf_zoffload.offload.memory import human
+from tests.gpu import _common as common
 
-SCRIPT = "gpu_host_memory.py"
 # 6 params of 3,001,000 elements and 6 MiB buckets (3,145,728 16-bit elements): one param per
 # bucket, each fp16 buffer 6,002,000 B, which a pinned allocation of its own would round up to
 # 8 MiB (x1.40).
@@ -92,7 +92,7 @@ def verdict(report: dict, stats: dict, facts: dict, *, engine_pins: bool):
     held, active = held_bytes(stats), stats.get(ACTIVE_KEY)
     host = report["host"]
     staging = host["grad_staging"]
-    h = common.human_bytes
+    h = human
 
     def ratio(a, b):
         return f"{a / b:.2f}" if a is not None and b else "n/a"
@@ -148,21 +148,12 @@ def train(steps: int = 4, accum: int = 2):
     return opt
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    common.require_cuda(SCRIPT)
-    if not hasattr(torch.cuda, "host_memory_stats"):
-        print(f"{SCRIPT}: torch {torch.__version__} has no torch.cuda.host_memory_stats()",
-              file=sys.stderr)
-        return 1
+@pytest.mark.gpu
+def test_pinned_allocator_holds_what_the_report_counts(figures):
+    assert hasattr(torch.cuda, "host_memory_stats"), \
+        f"torch {torch.__version__} has no torch.cuda.host_memory_stats()"
     before = held_bytes(torch.cuda.host_memory_stats())
-    opt = train(args.steps)
+    opt = train()
     stats = dict(torch.cuda.host_memory_stats())
     report = opt.memory_report()
     facts = pinned_facts(host_buffers(opt))
@@ -172,14 +163,74 @@ def main(argv=None) -> int:
     print(f"memory_report()['host']: {report['host']}")
     print(f"pinned allocator before the engine: {before}")
     # Where pinning failed the engine says so (a warning, memory_report()'s host_pinning) and
-    # runs on pageable memory: not an inconsistency here (gpu_race.py fails on it).
+    # runs on pageable memory: not an inconsistency here (test_race.py fails on it).
     pins = opt.copier.pinned and report.get("host_pinning", "pinned") == "pinned"
     if opt.copier.pinned and facts["staging_unpinned"]:
         print(f"note: {facts['staging_unpinned']} staging buffers are not pinned "
               f"(pinning failed?)")
     lines, failures = verdict(report, stats, facts, engine_pins=pins)
-    return common.finish(SCRIPT, lines, failures, label="inconsistent:")
+    common.finish(figures, lines, failures, label="inconsistent:")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ------------------------------------------------------------------ on the CPU
+def _report(staging=9_000_000):
+    host = {"master": 1, "exp_avg": 1, "exp_avg_sq": 1, "grad_staging": staging,
+            "grad_accumulation": 0}
+    return {"host": host, "host_total": sum(host.values())}
+
+
+def _facts(pinned=9_000_000, blocks=3):
+    return {"pinned": pinned, "allocations": pinned, "blocks": blocks,
+            "rounded": blocks * 4 * 2**20, "staging_unpinned": 0 if pinned else blocks}
+
+
+def test_host_memory_verdict():
+    held = {"allocated_bytes.current": 3 * 4 * 2**20, "active_bytes.current": 3 * 4 * 2**20}
+    lines, failures = verdict(_report(), held, _facts(), engine_pins=True)
+    assert failures == []
+    text = "\n".join(lines)
+    assert "| torch pinned allocator holds (`allocated_bytes` / `reserved_bytes`, the larger) " \
+           "| 12.00 MiB |" in text
+    assert "allocator / pinned buffers: 1.40; allocator / report staging: 1.40" in text
+    assert "powers of two: 1.00" in text
+    # the engine's pinned allocations exceed what the allocator holds: inconsistent
+    _, failures = verdict(_report(), {"allocated_bytes.current": 8_000_000},
+                                          _facts(), engine_pins=True)
+    assert len(failures) == 2 and "more than the 7.63 MiB" in failures[0]
+    # pageable staging while the engine claims to pin: the report's staging exceeds the pool
+    _, failures = verdict(_report(), {"allocated_bytes.current": 0},
+                                          _facts(0, 0), engine_pins=True)
+    assert failures and "memory_report() counts 8.58 MiB of host staging" in failures[0]
+    _, failures = verdict(_report(), {"allocated_bytes.current": 0},
+                                          _facts(0, 0), engine_pins=False)
+    assert failures == []
+    _, failures = verdict(_report(), {"num_host_alloc": 1}, _facts(),
+                                          engine_pins=True)
+    assert failures and "has neither of ('allocated_bytes.current'" in failures[0]
+    # the older naming: reserved = held, allocated = handed out
+    older = {"allocated_bytes.current": 9_000_000, "reserved_bytes.current": 3 * 4 * 2**20}
+    assert held_bytes(older) == 3 * 4 * 2**20
+    assert verdict(_report(), older, _facts(), engine_pins=True)[1] == []
+
+
+def test_host_buffers_of_a_cpu_engine():
+    cfg = common.Config("fp16", True, 2, 3)
+    params = common.make_params("cpu")
+    opt = common.make_engine(params, cfg)
+    common.train(opt, params, common.constants(cfg), device="cpu")
+    buffers = host_buffers(opt)
+    kinds = {k for k, _ in buffers}
+    assert {"master", "exp_avg", "exp_avg_sq", "grad_staging", "grad_accumulation"} <= kinds
+    n = sum(math.prod(shape) for shape in common.SHAPES)
+    sizes = {kind: sum(t.numel() * t.element_size() for k, t in buffers if k == kind)
+             for kind in kinds}
+    assert sizes["master"] == sizes["exp_avg"] == 4 * n
+    assert sizes["grad_staging"] == 2 * 2 * n  # two sets; no param staging buffer (issue 12)
+    facts = pinned_facts(buffers)
+    assert facts["pinned"] == facts["allocations"] == 0 and facts["staging_unpinned"] > 0
+    report = opt.memory_report()["host"]
+    for kind in ("master", "exp_avg", "exp_avg_sq", "grad_accumulation"):
+        assert report[kind] == sizes[kind], kind
+    # the buffers, or the blocks they are cut from
+    assert sizes["grad_staging"] <= report["grad_staging"] <= 1.02 * sizes["grad_staging"]
+    assert [next_pow2(n) for n in (1, 2, 3, 6_002_000)] == [1, 2, 4, 2**23]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The largest Llama-shaped model that trains two steps within a GPU memory cap, both ways.
 
-The ways (scripts/_gpu_llama.py): ``amp``, fp32 params, fused AdamW and bf16 autocast, all on
-the device (16 B/param of model states, 18 through a forward); ``zoffload``,
+The ways (scripts/bench/_gpu_llama.py): ``amp``, fp32 params, fused AdamW and bf16 autocast,
+all on the device (16 B/param of model states, 18 through a forward); ``zoffload``,
 `ZeroOffloadOptimizer` with bf16 compute (2 B/param on the device; on the host 14 B/param
 with fp32 state, about 8 with int8).
 
@@ -37,8 +37,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import _gpu_common as common
 import _gpu_llama as llama
+import _gpu_script as common
 import torch
 
 SCRIPT = "gpu_size.py"

@@ -32,8 +32,8 @@ import tempfile
 import traceback
 import zipfile
 
-import _gpu_common as common
 import _gpu_llama as llama
+import _gpu_script as common
 import gpu_practicality as practicality
 import torch
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A one-rank NCCL process group against the plain engine on CUDA, bitwise.
 
 An explicit ``process_group=`` runs the data-parallel code even with one rank
@@ -9,30 +8,31 @@ update off / on, 3 micro-steps per step with ``no_sync()`` on some (the first tw
 steps, the first on odd ones), an fp16 overflow inside a ``no_sync`` micro-step, params with
 no gradient in some micro-steps, every step's params and host state, the gathered
 ``state_dict()``, and two more steps after loading it into fresh engines must be bitwise those
-of the plain engine. The side stream is delayed before every copy, as in gpu_race.py.
+of the plain engine. The side stream is delayed before every copy, as in test_race.py.
 (tests/offload/test_partition.py has the same check for one bf16 configuration of a model.)
 
-``--backend gloo --device cpu`` runs the same on the CPU (the test suite does).
-Needs CUDA otherwise; exits 1 on any difference. Prints ``summary:`` lines.
+`test_one_rank_nccl_group` is the gpu test (scripts/gpu_check.sh's nccl_one_rank stage);
+`test_one_rank_gloo_group_on_the_cpu` runs the same check with gloo on the CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
-import sys
 import time
 
-import _gpu_common as common
+import pytest
 import torch
 import torch.distributed as dist
-from _gpu_common import Config
 
 from hf_zoffload.offload.exchange import LocalExchange
+from hf_zoffload.offload.memory import human
 from hf_zoffload.offload.partitioned import PartitionedExchange
+from tests.gpu import _common as common
+from tests.gpu._common import Config
 
-SCRIPT = "gpu_nccl_one_rank.py"
+# 4 steps, not 6: the overflow is at step 2 and steps 2-3 are delayed; 2 more after loading.
+STEPS = 4
 
 
 def configs(steps: int = 6) -> list[Config]:
@@ -103,8 +103,8 @@ def run_config(cfg: Config, group, *, device: str, sleep_cycles: int) -> dict:
 
 def report(results: list[dict], *, backend: str) -> list[str]:
     rows = [[r["cfg"].name, r["cfg"].steps, r["skipped"],
-             common.human_bytes(r["sent"]["reduce_scatter"]),
-             common.human_bytes(r["sent"]["all_gather"]), f"{r['norm']:.1e}",
+             human(r["sent"]["reduce_scatter"]),
+             human(r["sent"]["all_gather"]), f"{r['norm']:.1e}",
              f"{r['seconds']:.1f}",
              "bitwise equal" if not r["bad"] else f"**{len(r['bad'])} differences**"]
             for r in results]
@@ -117,46 +117,53 @@ def report(results: list[dict], *, backend: str) -> list[str]:
     return lines
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--only", default=None,
-                   help="run only the configurations whose name contains this, e.g. fp16")
-    p.add_argument("--sleep_cycles", type=int, default=common.SLEEP_CYCLES,
-                   help="GPU cycles the side stream waits before each copy (CUDA)")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device == "cuda":
-        common.require_cuda(SCRIPT)
-    if (args.backend == "nccl") != (args.device == "cuda"):
-        print(f"{SCRIPT}: nccl goes with --device cuda, gloo with --device cpu",
-              file=sys.stderr)
-        return 2
-    chosen = [c for c in configs(args.steps) if args.only is None or args.only in c.name]
+def check(figures: list[str], *, backend: str, device: str, cfgs: list[Config] | None = None
+          ) -> None:
+    """Every configuration (`configs` of `STEPS`) on a one-rank ``backend`` group; the table
+    into ``figures``; fails on any difference."""
     results = []
-    with one_rank_group(args.backend) as group, common.delayed_side(args.sleep_cycles):
-        for cfg in chosen:
-            r = run_config(cfg, group, device=args.device, sleep_cycles=args.sleep_cycles)
+    with one_rank_group(backend) as group, common.delayed_side(common.SLEEP_CYCLES):
+        for cfg in configs(STEPS) if cfgs is None else cfgs:
+            r = run_config(cfg, group, device=device, sleep_cycles=common.SLEEP_CYCLES)
             print(f"{cfg.name}: {'bitwise equal' if not r['bad'] else 'DIFFERS'} "
                   f"({r['seconds']:.1f} s)", flush=True)
             for line in r["bad"]:
                 print(f"  {line}")
             results.append(r)
-    for line in report(results, backend=args.backend):
-        common.summary(line)
-    failed = [r["cfg"].name for r in results if r["bad"]]
-    if failed or not results:
-        print(f"{SCRIPT}: FAIL: {'; '.join(failed) or 'no configuration ran'}",
-              file=sys.stderr)
-        return 1
-    print(f"{SCRIPT}: PASS")
-    return 0
+    failed = [f"{r['cfg'].name}: {'; '.join(r['bad'][:3])}" for r in results if r["bad"]]
+    common.finish(figures, report(results, backend=backend), failed)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.gpu
+def test_one_rank_nccl_group(figures):
+    check(figures, backend="nccl", device="cuda")
+
+
+# ------------------------------------------------------------------ the same on the CPU
+def test_one_rank_gloo_group_on_the_cpu():
+    figures = []
+    check(figures, backend="gloo", device="cpu")
+    assert "7/7 configurations of a one-rank gloo group bitwise equal" in figures[-1]
+    assert sum(line.startswith("| ") for line in figures) == 9  # header, separator, 7 rows
+
+
+def test_a_difference_fails_the_check(monkeypatch):
+    """One configuration whose partitioned run differs: its row says so, the check fails
+    naming it, and the failure is a figure too."""
+    real = common.compare
+
+    def compare(ref, got, **kw):
+        return real(ref, got, **kw) or ["step 0: param 3 differs"]
+
+    monkeypatch.setattr(common, "compare", compare)
+    figures = []
+    with pytest.raises(pytest.fail.Exception, match="bf16, delayed off, accum 1: step 0"):
+        check(figures, backend="gloo", device="cpu", cfgs=[Config("bf16", False, 1, 1)])
+    assert "0/1 configurations" in figures[-2] and figures[-1].startswith("**bf16, delayed")
+
+
+def test_no_sync_pattern_has_all_three_boundary_styles():
+    even = [no_sync(0, m, 3) for m in range(3)]
+    odd = [no_sync(1, m, 3) for m in range(3)]
+    assert even == [True, True, False] and odd == [True, False, False]
+    assert [no_sync(s, 0, 1) for s in range(2)] == [False, False]
