@@ -14,8 +14,9 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
   to host buckets during backward; ``param.grad`` is None).
 - `prepare_models`: frozen float params of the trained model(s) join the compute dtype (the
   engine casts only the params it trains; a frozen fp32 weight next to them would make the
-  matmuls mix dtypes), and reading their weights (``state_dict``) first lands a pending delayed
-  update. Models holding none of the engine's params (e.g. a teacher) are left alone.
+  matmuls mix dtypes; frozen params of other dtypes, a quantized base's codes, stay as they
+  are), and reading their weights (``state_dict``) first lands a pending delayed update.
+  Models holding none of the engine's params (e.g. a teacher) are left alone.
 - Saved weights (`saved_state_dict`): with ``save_dtype=fp32`` (the default) the model's
   weights are saved as the fp32 master weights, as a stock mixed-precision run saves its fp32
   params; the device copy is in the compute dtype and would lose what the masters hold. With

@@ -14,7 +14,9 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   the stock wrapper would copy the host state to the device (12 B/param, what offload exists to
   avoid) and patch ``step`` for a torch GradScaler we do not use.
 - Frozen params: float params without ``requires_grad`` are cast to the compute dtype too
-  (`core.prepare_models`), or a partly frozen (LoRA-style) model would mix dtypes in its matmuls.
+  (`core.prepare_models`), or a partly frozen (LoRA-style) model would mix dtypes in its matmuls;
+  others (a quantized base's integer codes) are left as they are. A peft model saves its
+  adapter (peft's ``save_pretrained`` keeps the adapter's entries of the masters' dict).
 - Loss scale: the engine's `DynamicLossScaler` becomes ``accelerator.scaler`` (fp16 only), so
   ``accelerator.backward`` scales the loss. Its state is saved inside ``optimizer.pt`` (the
   engine's ``state_dict``), not as ``scaler.pt``: the stock Trainer loads a ``scaler.pt`` into

@@ -43,7 +43,7 @@ from .params import ParamWatch, check_placement
 from .progress import Progress
 from .reorder import BucketOrder, relayout
 from .state import Bucket, SlotPlace, place
-from .support import check_clip_args, local_grad
+from .support import check_clip_args, local, local_grad
 from .tensor_parallel import make_exchange
 from .threads import bind_local_rank, cpu_threads, host_threads
 from .update import Work, plan, run
@@ -65,7 +65,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     The hyperparameters and their defaults are torch.optim.AdamW's (weight_decay 0.01,
     decoupled). Build it after the model is on its device. It casts the trainable params
-    passed to it to ``plugin.compute_dtype`` in place; frozen params are left alone. Use it
+    passed to it to ``plugin.compute_dtype`` in place; frozen params, of any dtype (a quantized
+    base's uint8 codes), are left alone and get no host state. Use it
     as any torch optimizer (schedulers change ``param_groups[i]["lr"]``); for fp16, scale the
     loss with ``optimizer.backward(loss)`` or through ``accelerator.backward`` once the
     engine's ``loss_scaler`` is installed as accelerate's scaler. The Adam moments are kept
@@ -121,7 +122,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if param_order is None and model is not None:
             param_order = model.parameters()
         self.moments = moment_format(plugin.state_dtype)
-        slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments)
+        names = None if model is None else {id(p): n for n, p in model.named_parameters()}
+        slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments,
+                              names=names)
         self.device = slots[0].param.device
         plugin.check_device(self.device.type)
         self.dtype = plugin.torch_dtype
@@ -147,8 +150,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._install(pool, self._place(layouts, pool, needed))
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
-        self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
-                            if not p.requires_grad)
+        # Frozen params beside the trained ones (a LoRA model's base, quantized or not), of
+        # the groups and of ``model``: left as they are, in any dtype (not cast, not laid out);
+        # the memory report counts their bytes by dtype (`memory.frozen_bytes`).
+        frozen = {id(p): p for g in self.param_groups for p in g["params"] if not p.requires_grad}
+        if model is not None:
+            frozen.update((id(p), p) for p in model.parameters() if not p.requires_grad)
+        self.frozen: tuple[torch.nn.Parameter, ...] = tuple(frozen.values())
+        self.n_frozen = sum(local(p).numel() for p in self.frozen)
         self.applied_steps = 0  # steps that updated the params (not skipped)
         self.loss_scaler = DynamicLossScaler(enabled=plugin.compute_dtype == "fp16", **{
             k: getattr(plugin, k) for k in ("init_scale", "growth_factor", "backoff_factor",

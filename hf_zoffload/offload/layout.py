@@ -111,11 +111,13 @@ class BucketLayout:
             yield self.slots[start:]
 
 
-def collect_slots(param_groups, *, order=None,
-                  state_dtype: str | MomentFormat = "fp32") -> list[Slot]:
+def collect_slots(param_groups, *, order=None, state_dtype: str | MomentFormat = "fp32",
+                  names: dict[int, str] | None = None) -> list[Slot]:
     """A slot per trainable param (offsets come with the buckets); raises, before anything
     changes, on a group or param the engine cannot train (``state_dtype``: how the moments
-    will be stored; int8 needs betas with a bound, `moments.ratio_cap`).
+    will be stored; int8 needs betas with a bound, `moments.ratio_cap`). Frozen params
+    (``requires_grad=False``) get no slot, whatever their dtype. ``names``: the params' names
+    by ``id``, for the errors.
 
     In ``order`` (the params as the model registers them, ``model.parameters()``), else in
     the optimizer's param order; params missing from ``order`` follow, in theirs. The order
@@ -134,9 +136,13 @@ def collect_slots(param_groups, *, order=None,
         check_params(g["params"])
         for p in g["params"]:
             if p.requires_grad:
-                if not p.is_floating_point():
-                    raise TypeError(f"param {index} (group {gi}) has dtype {p.dtype}; "
-                                    "only floating-point params can be trained")
+                if not p.is_floating_point():  # complex: torch refuses grads of integers
+                    name = (names or {}).get(id(p))
+                    raise TypeError(
+                        f"param {index} (group {gi}{', ' + name if name else ''}) has dtype "
+                        f"{p.dtype} and requires_grad=True: ZeRO-Offload trains floating-point "
+                        "params only (fp32, fp16, bf16, fp64); freeze it (requires_grad_(False)) "
+                        "to leave it as it is")
                 devices.add(p.device)
                 slots.append(Slot(p, index, gi, 0, local(p).numel(), is_sharded(p)))
             index += 1

@@ -3,15 +3,19 @@
 `estimate()` (used by `hf-zoffload estimate`) and `ZeroOffloadOptimizer.memory_report()` return
 the same structure, and `format_report()` prints either, so the two always agree on what is
 counted: model states only (parameters, gradients, master weights, Adam moments, gradient
-buffers), never activations.
+buffers), never activations. Frozen params (a LoRA model's base, quantized or not) are
+counted with the device's params and, by dtype, on a line of their own (`frozen_bytes`).
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from ..ops.moments import FORMATS, moment_format
 from .host import plan_blocks
+from .support import local
 
 _MIB = 1024**2
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -77,11 +81,12 @@ def estimate(
         "grad_staging": staged(w) * (2 if delayed_update else 1),
         "grad_accumulation": 4 * shard if grad_accumulation else 0,
     }
-    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w,
+    frozen = {compute_dtype: n_frozen * w} if n_frozen else {}
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=frozen,
                    state_dtype=state_dtype)
 
 
-def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_dtype: int,
+def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: dict,
             state_dtype: str):
     return {
         "n_params": n_params,
@@ -89,18 +94,37 @@ def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_d
         "state_dtype": state_dtype,
         "device": device,
         "host": host,
+        "frozen": frozen,
         "device_total": sum(device.values()),
         "host_total": sum(host.values()),
+        # the frozen params stay on the device with plain AdamW too, in the same dtypes
         "plain_adamw_device_total": PLAIN_AMP_ADAMW_BYTES_PER_PARAM * n_params
-        + compute_dtype * n_frozen,
+        + sum(frozen.values()),
     }
 
 
-def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param_bytes: int,
+def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: dict,
                 state_dtype: str):
-    """Wrap measured byte counts (from the engine) in the structure `estimate()` returns."""
-    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes,
+    """Wrap measured byte counts (from the engine) in the structure `estimate()` returns;
+    ``frozen``: `frozen_bytes` of the frozen params (counted in ``device["params"]`` too)."""
+    return _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=frozen,
                    state_dtype=state_dtype)
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def frozen_bytes(params) -> dict[str, int]:
+    """Bytes of frozen params on this rank by dtype name (``bf16``, ``uint8``, ...), largest
+    first: a LoRA model's base, which the device keeps beside the trained params in whatever
+    dtype it has (a quantized base's packed codes too; their scales, if kept outside params,
+    are not counted). A DTensor counts its local tensor."""
+    out: dict[str, int] = {}
+    for p in params:
+        t = local(p)
+        name = _DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+        out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 _POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging",
@@ -109,9 +133,9 @@ _POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging",
 
 def engine_report(opt) -> dict:
     """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured from its
-    public facts (``buckets``' layouts and host states, ``host_pool``, ``n_frozen``,
-    ``dtype``, ``device``). Pooled host buffers count as the blocks allocated for them (for
-    pinned memory, the power-of-two blocks torch's allocator holds).
+    public facts (``buckets``' layouts and host states, ``host_pool``, ``frozen``,
+    ``n_frozen``, ``dtype``, ``device``). Pooled host buffers count as the blocks allocated
+    for them (for pinned memory, the power-of-two blocks torch's allocator holds).
 
     With N ranks the host side is this rank's: its shards, about 1/N of the state, plus the
     full-bucket buffers of accumulation without a collective when that is used. On a
@@ -140,10 +164,11 @@ def engine_report(opt) -> dict:
     # buffers backward writes, so counted as the device's gradient buckets
     if on_cuda:
         host["grad_staging"] += unreduced
-    device = {"params": trained + opt.n_frozen * w,
+    frozen = frozen_bytes(opt.frozen)
+    device = {"params": trained + sum(frozen.values()),
               "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
     n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
-    report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w,
+    report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, frozen=frozen,
                          state_dtype=opt.plugin.state_dtype)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
@@ -251,9 +276,21 @@ def format_report(report: dict) -> str:
     for side in ("device", "host"):
         parts = ", ".join(f"{k} {human(v)}" for k, v in report[side].items() if v)
         lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")
+        if side == "device":
+            lines += _frozen_line(report)
     lines.append(
         f"  plain AMP AdamW would need {human(report['plain_adamw_device_total'])} on the device"
     )
     if report.get("host_pinning", "").startswith("pageable"):
         lines.append(f"  host buffers are {report['host_pinning']}: copies do not overlap")
     return "\n".join(lines)
+
+
+def _frozen_line(report: dict) -> list[str]:
+    """The frozen params by dtype (a LoRA model's base), part of the device's params."""
+    frozen = report.get("frozen") or {}
+    if not frozen:
+        return []
+    parts = ", ".join(f"{k} {human(v)}" for k, v in frozen.items())
+    return [f"  {'frozen':<6} {human(sum(frozen.values())):>12}  ({parts}), in the device's "
+            "params"]
