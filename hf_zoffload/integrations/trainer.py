@@ -34,6 +34,10 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   (unscaled global norm).
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+- Replaced or reloaded under the Trainer: an ``auto_find_batch_size`` retry rebuilds the engine
+  with the old one's masters and state, the old one closed (`_inner_training_loop`);
+  ``load_best_model_at_end`` loads the best weights into the fp32 masters too
+  (`_load_best_model`).
 - Tensor parallelism: ``parallelism_config`` (``tp_size``, and ``dp_shard_size`` for data
   parallelism over the other ranks), from the arguments or from a model sharded at load
   time. A whole model is sharded
