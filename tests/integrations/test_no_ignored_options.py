@@ -71,6 +71,8 @@ def test_a_stock_trainer_refuses_offload_arguments(tmp_path):
 
 
 # ------------------------------------------------------------------ refused options
+# Refused when the Trainer is built (it needs the process count): --auto_find_batch_size with
+# several processes (test_trainer_features.py, which also covers the other Trainer features).
 REFUSED = [
     (dict(optim_args="betas=(0.8,0.9)"), r"^--optim_args 'betas=\(0.8,0.9\)' has no effect "
                                          r"with --zero_offload: .*--adam_beta1"),

@@ -15,7 +15,7 @@ from transformers.trainer_callback import ExportableState
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from tests.integrations.test_trainer import COMMON, Tokens, column, gpt2, llama
 
-FAST = dict(COMMON, gradient_accumulation_steps=1, max_steps=4)
+FAST = dict(COMMON, gradient_accumulation_steps=1, max_steps=3)
 
 
 def make(tmp_path, model, *, offload, callbacks=None, data=None, eval_data=None, **kw):
@@ -90,7 +90,7 @@ def test_on_optimizer_step(tmp_path):
 
 
 # ------------------------------------------------------------ the best model, rotation
-BEST = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+BEST = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
             load_best_model_at_end=True, metric_for_best_model="eval_loss", save_total_limit=2)
 
 
@@ -351,7 +351,7 @@ class CountsSteps(TrainerCallback, ExportableState):
         return {"args": {}, "attributes": {"count": self.count}}
 
 
-SAVES = dict(save_strategy="steps", save_steps=2)
+SAVES = dict(save_strategy="steps", save_steps=2, max_steps=4)
 
 
 @pytest.fixture(scope="module")
