@@ -33,6 +33,7 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
 from __future__ import annotations
 
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -51,6 +52,8 @@ __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "Master
 TIMINGS = ("fwd_bwd", "grad_wait", "cpu_adam", "upload_host", "d2h_copy", "h2d_copy")
 # On the accelerator instance: the engine installed, and what `install` replaced.
 _ENGINE_ATTR, _OWN_ATTR = "_zero_offload_engine", "_zero_offload_own"
+# model -> its state_dict pre-hook that lands the engine's delayed update (prepare_models)
+_FLUSH_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -129,12 +132,26 @@ def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.M
                 p.data = p.data.to(dtype)
         # With the delayed update the last step's params land only at the next step: whatever
         # reads the model's weights (save_state, save_pretrained, get_state_dict, the
-        # Trainer's checkpoints) lands them first. state_dict covers every save path.
-        model.register_state_dict_pre_hook(lambda *_args, **_kw: engine.flush())
+        # Trainer's checkpoints) lands them first. state_dict covers every save path. One
+        # hook per model, for its latest engine, held weakly: an engine replaced on the same
+        # model (the Trainer's out-of-memory retry) is neither kept alive nor flushed.
+        if model in _FLUSH_HOOKS:
+            _FLUSH_HOOKS[model].remove()
+        _FLUSH_HOOKS[model] = model.register_state_dict_pre_hook(_flusher(engine))
         if isinstance(model, PreTrainedModel) and "save_pretrained" not in vars(model):
             # Bound to this instance (a deepcopy rebinds it to the copy); the class is untouched.
             model.save_pretrained = types.MethodType(_save_pretrained, model)
     return trained
+
+
+def _flusher(engine):
+    ref = weakref.ref(engine)
+
+    def flush(*_args, **_kw):
+        alive = ref()
+        if alive is not None and not alive.closed:
+            alive.flush()
+    return flush
 
 
 # --------------------------------------------------------------------------- saving

@@ -36,6 +36,10 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   (unscaled global norm).
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+- Replaced or reloaded under the Trainer: an ``auto_find_batch_size`` retry rebuilds the engine
+  with the old one's masters and state, the old one closed (`_inner_training_loop`);
+  ``load_best_model_at_end`` loads the best weights into the fp32 masters too
+  (`_load_best_model`).
 - Tensor parallelism: ``parallelism_config`` (``tp_size``, and ``dp_shard_size`` for data
   parallelism over the other ranks), from the arguments or from a model sharded at load
   time. A whole model is sharded
@@ -113,6 +117,13 @@ class ZeroOffloadTrainer(Trainer):
                 raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
                                  f"({_MULTI_DEVICE}); launch one process per GPU with "
                                  "torchrun, accelerate launch or hf-zoffload launch")
+            if targs.auto_find_batch_size and targs.world_size > 1:
+                # An out-of-memory error is one rank's: its retry would leave the other ranks
+                # waiting in the engine's collectives (`_inner_training_loop`).
+                raise ValueError(f"--auto_find_batch_size with --zero_offload and "
+                                 f"{targs.world_size} processes: the ranks would retry apart. "
+                                 "Find the batch size in one process, then set "
+                                 "--per_device_train_batch_size")
         super().__init__(*args, **kwargs)
         if not self.zero_offload:
             return
@@ -322,6 +333,60 @@ class ZeroOffloadTrainer(Trainer):
         if self.engine is not None:  # evaluate the params of the last step taken
             self.engine.flush()
         return super().evaluate(*args, **kwargs)
+
+    # ------------------------------------------------- auto_find_batch_size, the best model
+    def train(self, *args, **kwargs):
+        self._attempts = 0  # of `_inner_training_loop` in this call
+        return super().train(*args, **kwargs)
+
+    def _inner_training_loop(self, batch_size=None, *args, **kwargs):
+        # A second attempt in one train() is auto_find_batch_size's retry with a smaller batch
+        # after an out-of-memory error, which may have come in the middle of a backward or a
+        # step. The Trainer keeps its optimizer for the retry (transformers 5.17-5.24:
+        # create_optimizer builds one only when there is none) as the stock one keeps its
+        # AdamW with its state; here the engine is rebuilt, with the state a checkpoint of
+        # that moment would hold, and the old one closed (its hooks and host state gone).
+        self._attempts = getattr(self, "_attempts", 0) + 1
+        if self._attempts > 1 and self.engine is not None:
+            old = self.engine
+            stepped = old.applied_steps or old.skipped_steps
+            state = old.state_dict() if stepped else None  # none: nothing but the masters
+            masters = old.master_state_dict(self.model)
+            old.close()
+            self.optimizer = None
+            engine = self.create_optimizer().optimizer
+            if state is not None:
+                engine.load_state_dict(state)
+            engine.load_master_state_dict(self.model, masters)  # fp32, not the 16-bit params
+            logger.info("ZeRO-Offload: the optimizer was rebuilt for the retry with batch "
+                        "size %s", batch_size)
+        return super()._inner_training_loop(batch_size, *args, **kwargs)
+
+    def _load_best_model(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return super()._load_best_model()
+        # The stock load puts the checkpoint's weights (the fp32 masters) into the 16-bit
+        # params; the masters take them too, before rounding, so that training or saving
+        # after it starts from the best checkpoint itself. The pending delayed update lands
+        # first, or it would land over the loaded weights.
+        engine.flush()
+        loading = []
+
+        def before(module, state_dict, prefix, *_):
+            loading[:] = [state_dict]
+
+        def after(module, incompatible):
+            if loading:
+                engine.load_master_state_dict(self.model, loading.pop())
+
+        handles = (self.model.register_load_state_dict_pre_hook(before),
+                   self.model.register_load_state_dict_post_hook(after))
+        try:
+            return super()._load_best_model()
+        finally:
+            for h in handles:
+                h.remove()
 
     # ------------------------------------------------- logs
     # state.log_history stays the stock Trainer's (the same entries with the same keys): code

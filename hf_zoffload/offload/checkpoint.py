@@ -113,6 +113,32 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
     return out
 
 
+def load_master_state_dict(opt, model: torch.nn.Module, sd: dict) -> None:
+    """The inverse of `master_state_dict`: each entry of ``sd`` (names as
+    ``model.state_dict()``'s) that is a param the engine trains becomes its master weights,
+    in full precision, and the device param its value in the compute dtype; moments and step
+    counts stay. Such a param without an entry keeps its master; other entries are the
+    caller's (the model loads them). Every rank passes whole tensors and keeps its part.
+    Shapes are checked before anything is written."""
+    ours = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
+    todo = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t not in ours or name not in sd or t in todo:
+            continue  # not trained here, not given, or a tied param given already
+        value = sd[name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(t.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"master weights for {name!r}: got {got}, the param has shape "
+                             f"{tuple(t.shape)}")
+        todo[t] = value
+    for p, value in todo.items():
+        b, s = ours[p]
+        own, mine = b.layout.owned(s)
+        whole = opt.exchange.local_part(s, value.detach().to("cpu", torch.float32))
+        b.state.master[own].copy_(whole[mine])
+        s.flat().copy_(whole)  # every rank holds all of its local tensor
+
+
 def _master_from_param(h, own: slice, value: torch.Tensor) -> None:
     """The master becomes the param's value, unless the param is the master rounded to the
     compute dtype already: then the master is the more precise of the two (the Trainer

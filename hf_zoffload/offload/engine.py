@@ -32,7 +32,7 @@ from ..ops.cpu_adam import check_hyper
 from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
-from .checkpoint import load_state_dict, master_state_dict, state_dict
+from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
 from .copier import make_copier
 from .delayed import DelayedUpdate
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
@@ -58,6 +58,7 @@ class Phase(enum.Enum):
     BACKWARD = "backward"  # a backward streams gradients (first grad hook to its end)
     FINALIZED = "finalized"  # the window's grads were read (clip_grad_norm_, step): no
     # backward until step() opens the next window
+    CLOSED = "closed"  # close(): no hooks, no host state; step() and the rest raise
 
 
 class ZeroOffloadOptimizer(torch.optim.Optimizer):
@@ -184,7 +185,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._reset_window()
         self._hooks = register_grad_hooks(self, "_grad_hook", [s.param for s in slots])
         if self.module_waits is not None:
-            register_module_waits(self.module_waits, "before", model, [s.param for s in slots])
+            self._hooks += register_module_waits(self.module_waits, "before", model,
+                                                 [s.param for s in slots])
+        self.closed = False
 
     def _install(self, pool: HostPool, buckets: list[Bucket]) -> None:
         """Buckets (new, or re-laid out) and the pool their landing buffers come from."""
@@ -307,6 +310,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """Clip the coming step's gradient to ``max_norm`` (torch's rule: scale by
         ``min(1, max_norm / (norm + 1e-6))``); return its unscaled global norm."""
+        self._check_open()
         check_clip_args(max_norm, norm_type, error_if_nonfinite)
         self._clip = float(max_norm)
         with host_threads(self.cpu_threads):  # an accumulated window's norm is a host pass
@@ -314,6 +318,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -427,6 +432,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Discard every gradient accumulated since the last step. ``set_to_none`` has no
         effect: streamed gradients never stay on the params. A pending delayed update keeps
         running (loops call this right after ``step()``)."""
+        self._check_open()
         self.exchange.complete()
         for b in self.buckets:
             self.copier.wait_landed(b.layout.index)
@@ -495,6 +501,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """The whole state in torch.optim.AdamW's per-param format. With N ranks: a
         collective (rank 0 gets the state, the others a dict without it that refuses to
         load), unless `consolidate_state_dict` ran since the last step."""
+        self._check_open()
         if self._consolidated is not None:
             sd, self._consolidated = self._consolidated, None
             return sd
@@ -506,6 +513,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Gather the state onto rank ``to``, a collective: every rank calls it (data or
         tensor parallel). Then ``state_dict()`` on rank ``to`` alone returns it, once, until
         the next step. In one process there is nothing to gather and this does nothing."""
+        self._check_open()
         self._drain()
         with host_threads(self.cpu_threads):
             self._consolidated = state_dict(self, to=to) \
@@ -516,6 +524,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         replaced by its fp32 master weights (CPU tensors, bit for bit), frozen params as
         they are. With N ranks a collective (every rank calls it) that returns the dict on
         rank ``to`` and None elsewhere. Finishes a pending delayed update first."""
+        self._check_open()
         self._drain()
         with host_threads(self.cpu_threads):
             return master_state_dict(self, model, to=to)
@@ -523,12 +532,53 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved with any number of ranks; each rank keeps its shard, on the
         host. No collective: every rank must pass the same whole state."""
+        self._check_open()
         self._drain()
         self.copier.finish_uploads()  # no upload may land over the loaded params
         self._consolidated = None
         with host_threads(self.cpu_threads):
             load_state_dict(self, state_dict)
         self._watch.note_written()
+
+    def load_master_state_dict(self, model: torch.nn.Module, state_dict: dict) -> None:
+        """The inverse of `master_state_dict`: the entries of ``state_dict`` for the params
+        of ``model`` this optimizer trains become their fp32 master weights (a 16-bit param
+        alone would round them) and the params their values in the compute dtype; moments
+        and step counts stay. Params without an entry keep theirs; other entries are left
+        to the caller. No collective: every rank passes the same whole tensors."""
+        self._check_open()
+        self._drain()
+        self.copier.finish_uploads()  # no upload may land over the loaded params
+        self._consolidated = None
+        with host_threads(self.cpu_threads):
+            load_master_state_dict(self, model, state_dict)
+        self._watch.note_written()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ZeroOffloadOptimizer was closed (close()): it holds no "
+                               "state any more; use the optimizer that replaced it")
+
+    def close(self) -> None:
+        """Remove this optimizer's hooks from the params and the model and drop its host
+        state, once every copy in flight is done; the params keep their current values. For
+        a caller that replaces the optimizer (the Trainer after an out-of-memory retry):
+        the hooks would otherwise stay until the engine is garbage, and a second engine over
+        the same params would get every gradient after the first had taken it."""
+        if self.closed:
+            return
+        self._delayed.wait()
+        self._uploads_pending = []
+        self.exchange.complete()
+        for b in self.buckets:
+            self.copier.wait_landed(b.layout.index)
+            self.copier.wait_uploaded(b.layout.index)
+        for h in self._hooks:
+            h.remove()
+        self.exchange.attach([], self._check, None)
+        self.host_pool, self.buckets, self._where = None, [], {}
+        self._watch = ParamWatch([])
+        self.phase, self.closed = Phase.CLOSED, True
 
     # ------------------------------------------------------------- reporting
     def memory_report(self) -> dict:

@@ -11,7 +11,7 @@ from transformers.training_args import OptimizerNames
 
 from hf_zoffload.integrations.arguments import ALLOWED_OPTIMS, UNUSED
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
-from tests.integrations.test_trainer import COMMON, Tokens, column, gpt2, llama
+from tests.integrations.test_trainer import COMMON, Tokens, column, gpt2
 
 FAST = dict(COMMON, gradient_accumulation_steps=1, max_steps=4)
 
@@ -71,6 +71,8 @@ def test_a_stock_trainer_refuses_offload_arguments(tmp_path):
 
 
 # ------------------------------------------------------------------ refused options
+# Refused when the Trainer is built (it needs the process count): --auto_find_batch_size with
+# several processes (test_trainer_features.py, which also covers the other Trainer features).
 REFUSED = [
     (dict(optim_args="betas=(0.8,0.9)"), r"^--optim_args 'betas=\(0.8,0.9\)' has no effect "
                                          r"with --zero_offload: .*--adam_beta1"),
@@ -193,26 +195,7 @@ def test_lr_schedulers_drive_the_engine(tmp_path, name):
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-5)
 
 
-@pytest.fixture(scope="module")
-def llama_without_checkpointing(tmp_path_factory):
-    _, logs, _ = train(tmp_path_factory.mktemp("nogc"), llama(), offload=True, max_steps=3)
-    return logs
-
-
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_gradient_checkpointing_both_modes(tmp_path, reentrant, llama_without_checkpointing):
-    """Recomputing the forward changes nothing on the CPU: the same losses and grad norms,
-    bit for bit, as without checkpointing; a block whose grads went missing (a nested
-    backward ended early) would change the norms."""
-    trainer, logs, _ = train(tmp_path, llama(), offload=True, max_steps=3,
-                             gradient_checkpointing=True,
-                             gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    layer = trainer.model.model.layers[0]
-    assert trainer.model.is_gradient_checkpointing and layer.gradient_checkpointing
-    assert layer._gradient_checkpointing_func.keywords["use_reentrant"] is reentrant
-    ref = llama_without_checkpointing
-    assert column(logs, "loss") == column(ref, "loss")
-    assert column(logs, "grad_norm") == column(ref, "grad_norm")
+# gradient_checkpointing_kwargs (both modes): tests/integrations/test_trainer_features.py
 
 
 def test_num_input_tokens_seen(tmp_path):

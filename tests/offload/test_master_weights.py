@@ -114,3 +114,78 @@ def test_a_checkpoint_of_another_model_or_param_order_changes_nothing():
         opt.load_state_dict(other.state_dict())
     for k, v in opt.host_views(model.a.weight).items():
         assert torch.equal(v, before[k]), k  # nothing changed
+
+
+def _trained_bf16(steps=2, **plugin):
+    model = _Net()
+    opt = ZeroOffloadOptimizer(model.parameters(), lr=1e-2, plugin=ZeroOffloadPlugin(
+        compute_dtype="bf16", **plugin))
+    model.frozen.to(torch.bfloat16)
+    for i in range(steps):
+        model(torch.randn(6, 7, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+              ).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_load_master_state_dict_is_master_state_dicts_inverse(delayed):
+    """fp32 weights with bits a bf16 param lacks become the masters bit for bit, the params
+    their rounding; moments and steps stay; entries of frozen params are the caller's."""
+    kw = dict(delayed_update=delayed, delayed_update_warmup_steps=1)
+    model, opt = _trained_bf16(**kw)
+    twin, twin_opt = _trained_bf16(**kw)  # the same steps, landed: its moments are theirs
+    twin_opt.flush()
+    moments = {n: twin_opt.host_views(p)["exp_avg"] for n, p in twin.named_parameters()
+               if p.requires_grad}
+    g = torch.Generator().manual_seed(7)
+    given = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    steps = dict(opt.param_steps)
+    assert opt.update_in_flight == delayed
+    frozen = model.frozen.weight.detach().clone()
+    opt.load_master_state_dict(model, given)
+    assert not opt.update_in_flight  # a pending update landed first, not over the loaded
+    sd = opt.master_state_dict(model)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(sd[name], given[name]), name
+            assert torch.equal(p.detach(), given[name].to(torch.bfloat16)), name
+            assert torch.equal(opt.host_views(p)["exp_avg"], moments[name]), name
+    assert opt.param_steps == steps
+    assert torch.equal(model.frozen.weight, frozen)  # not the engine's to load
+    opt.step()  # no gradient: nothing moves, and the loaded params are no edit to adopt
+    sd = opt.master_state_dict(model)
+    assert all(torch.equal(sd[n], given[n]) for n in moments)
+
+
+def test_load_master_state_dict_refuses_a_wrong_shape_before_writing():
+    model, opt = _trained_bf16()
+    before = opt.master_state_dict(model)
+    bad = {"a.weight": torch.zeros(5, 7), "b.weight": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match=r"^master weights for 'b.weight': got \(2, 2\), "
+                                         r"the param has shape \(3, 5\)"):
+        opt.load_master_state_dict(model, bad)
+    after = opt.master_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_close_removes_the_hooks_and_the_host_state():
+    """A second engine over the same params after close() gets every gradient, and the
+    first one raises rather than step over nothing."""
+    model, opt = _trained_bf16()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
+    opt.close()
+    assert all(len(p._post_accumulate_grad_hooks) == 0 for p in params)
+    assert opt.buckets == [] and opt.host_pool is None
+    opt.close()  # twice is fine
+    for call in (opt.step, opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"^this ZeroOffloadOptimizer was closed"):
+            call()
+    second = ZeroOffloadOptimizer(params, lr=1e-2, plugin=ZeroOffloadPlugin(
+        compute_dtype="bf16"))
+    model(torch.randn(6, 7, dtype=torch.bfloat16)).backward()
+    assert all(p.grad is None for p in params)  # the new engine took them all
+    second.step()
+    assert second.applied_steps == 1 and second.grad_norm > 0
