@@ -32,6 +32,7 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import types
@@ -52,7 +53,7 @@ from transformers.utils import (
 
 __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
            "engine_params", "tensor_parallel", "trains", "prepare_models", "saved_state_dict",
-           "remove_model_weights", "install", "attached_engine"]
+           "remove_model_weights", "show_info_logs", "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
 # the copy times exist on CUDA only and are logged only where they were reported.
@@ -267,6 +268,29 @@ def _save_pretrained(model, save_directory, *args, state_dict=None, **kwargs):
         finally:
             model.config.dtype = written
     return out
+
+
+# --------------------------------------------------------------------------- logs
+def show_info_logs(*, main_process: bool) -> bool:
+    """Print the package's INFO lines (the memory report, the host memory check, the long
+    host passes) on the main process when the user configured no logging: returns whether
+    a handler was added.
+
+    Why: the Trainer's default verbosity is WARNING and Python's default shows warnings only,
+    so these lines, what a user most needs at the start of a run (what offload saves, whether
+    it fits) and none of them a warning, showed only with INFO logging set up by hand. A user
+    who set up logging (a root handler, as ``logging.basicConfig`` adds; or a handler or
+    level on the ``hf_zoffload`` logger) keeps exactly what they chose; the other ranks
+    print nothing more, as the Trainer's own replicas log less."""
+    pkg = logging.getLogger(__name__.split(".")[0])
+    if not main_process or pkg.handlers or pkg.level != logging.NOTSET \
+            or logging.getLogger().handlers:
+        return False
+    handler = logging.StreamHandler()  # stderr, where Python's own last-resort output goes
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+    return True
 
 
 # --------------------------------------------------------------------------- accelerator

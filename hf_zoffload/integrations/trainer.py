@@ -150,6 +150,7 @@ class ZeroOffloadTrainer(Trainer):
                              "combined; launch without FSDP")
         self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
+        core.show_info_logs(main_process=self.args.should_log)  # the report at default levels
 
     # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
     # makes the stock Trainer refuse optimizer checkpoints, average the gradients of its plain
@@ -417,14 +418,16 @@ class ZeroOffloadTrainer(Trainer):
 
     def _log_memory_report(self) -> None:
         """The engine's model-state memory, once: the table to the logger at INFO (where the
-        Trainer's own account of a run goes; a warning would say something is wrong), and
-        three figures on the first entry logged (`_log_extras`): the printed log line shows
-        them at any log level, and the integrations record them."""
+        Trainer's own account of a run goes; a warning would say something is wrong; shown
+        at the default log level by `core.show_info_logs`), and three figures on the first
+        entry logged (`_log_extras`): the printed log line shows them at any log level, and
+        the integrations record them. With gradient accumulation its buffers are counted
+        from the start, before the second micro-step allocates them."""
         engine = self.engine
         if engine is None or self._memory_logged:
             return
         self._memory_logged = True
-        report = engine.memory_report()
+        report = engine.memory_report(accumulates=self.args.gradient_accumulation_steps > 1)
         logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
         self._memory_figures = {
             "offload_device_mib": round(report["device_total"] / 2**20, 3),
