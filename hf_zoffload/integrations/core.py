@@ -280,8 +280,9 @@ def show_info_logs(*, main_process: bool) -> bool:
     so these lines, what a user most needs at the start of a run (what offload saves, whether
     it fits) and none of them a warning, showed only with INFO logging set up by hand. A user
     who set up logging (a root handler, as ``logging.basicConfig`` adds; or a handler or
-    level on the ``hf_zoffload`` logger) keeps exactly what they chose; the other ranks
-    print nothing more, as the Trainer's own replicas log less."""
+    level on the ``hf_zoffload`` logger) keeps exactly what they chose (one set up after the
+    Trainer is built gets these lines twice: set it up first); the other ranks print nothing
+    more, as the Trainer's own replicas log less."""
     pkg = logging.getLogger(__name__.split(".")[0])
     if not main_process or pkg.handlers or pkg.level != logging.NOTSET \
             or logging.getLogger().handlers:
