@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 # Runnable from a checkout without installing: scripts/.. is the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hf_zoffload.commands.errors import TRACEBACK_ENV, run_command  # noqa: E402
 from hf_zoffload.integrations import defaults, parallel  # noqa: E402
 from hf_zoffload.integrations.trainer import (  # noqa: E402
     ZeroOffloadTrainer,
@@ -371,23 +372,10 @@ def main(argv=None) -> dict:
     return results
 
 
-# What the package and this script raise on purpose for a bad setting, file or model type:
-# one line is the whole message; the traceback would only bury it.
-USER_ERRORS = (ValueError, MemoryError, FileNotFoundError)
-TRACEBACK_ENV = "HF_ZOFFLOAD_TRACEBACK"
-
-
 def cli(argv=None) -> int:
     """``main`` as a command: a configuration or data error is one line on stderr and exit
-    status 2 (as argparse's), unless HF_ZOFFLOAD_TRACEBACK=1 asks for the traceback."""
-    try:
-        main(argv)
-    except USER_ERRORS as err:
-        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
-            raise
-        print(f"run_clm.py: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
-    return 0
+    status 2, unless HF_ZOFFLOAD_TRACEBACK=1 asks for the traceback (commands/errors.py)."""
+    return run_command("run_clm.py", lambda: main(argv))
 
 
 if __name__ == "__main__":

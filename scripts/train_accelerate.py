@@ -11,19 +11,28 @@ differ from the plain loop (an import, and ``prepare_zero_offload`` in place of
     HF_ZOFFLOAD_BUCKET_SIZE_MB=1 python scripts/train_accelerate.py --zero_offload
     hf-zoffload launch --config_file cfg.yaml scripts/train_accelerate.py --zero_offload
 
-Prints one json line: the loss of every micro-batch and the gradient norm of every step.
+Prints one json line: the loss of every micro-batch and the gradient norm of every step. A bad
+setting or model type is one line and exit status 2; HF_ZOFFLOAD_TRACEBACK=1 shows its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, get_scheduler
+
+# Runnable from a checkout without installing: scripts/.. is the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_zoffload.commands.errors import run_command  # noqa: E402
 
 # Two layers, 64 wide, vocab 128: ~0.1M params, a step takes milliseconds on one core.
 # Dropout off, so the run is a deterministic function of the seed.
@@ -32,7 +41,9 @@ TINY = ("n_layer=2,n_embd=64,n_head=2,vocab_size=128,n_positions=64,"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="A bad setting or model type is one line and exit "
+                                       "status 2; HF_ZOFFLOAD_TRACEBACK=1 shows its traceback.")
     p.add_argument("--model_type", default="gpt2")
     p.add_argument("--config_overrides", default=TINY)
     p.add_argument("--steps", type=int, default=6, help="optimizer steps")
@@ -51,10 +62,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.model_type not in CONFIG_MAPPING:  # before the accelerator starts anything
+        raise ValueError(f"unknown --model_type {args.model_type!r}; allowed: the transformers "
+                         "model types, e.g. gpt2, llama")
+    config = CONFIG_MAPPING[args.model_type]()
+    config.update_from_string(args.config_overrides)  # an unknown key: ValueError
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
     set_seed(args.seed)
-    config = CONFIG_MAPPING[args.model_type]()
-    config.update_from_string(args.config_overrides)
     model = AutoModelForCausalLM.from_config(config)
     n = args.steps * args.grad_accum * args.batch_size
     gen = torch.Generator().manual_seed(args.seed)
@@ -109,4 +123,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("train_accelerate.py", main))

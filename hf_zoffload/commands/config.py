@@ -56,13 +56,14 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
+    if args.mixed_precision is not None and not args.default:
+        raise ValueError("--mixed_precision only applies with --default (the interactive "
+                         "questions ask for it)")
     path = os.path.abspath(os.path.expanduser(args.config_file or default_accelerate_config()))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     sidecar = sidecar_path(path)
     if args.default:
         return _write_defaults(path, sidecar, mixed_precision=args.mixed_precision or "no")
-    if args.mixed_precision is not None:  # the interactive questions ask for it
-        raise SystemExit("hf-zoffload config: --mixed_precision only applies with --default")
 
     from accelerate.commands.config.config import get_user_input
 

@@ -117,13 +117,10 @@ def _device_type(args) -> str:
 def run_argv(argv: list[str]) -> int:
     args = _accelerate_parser().parse_args(argv)
     n_script = 1 + len(args.training_script_args)
-    try:
-        sidecar = find_sidecar(zoffload_config=args.zoffload_config,
-                               config_file=args.config_file, environ=os.environ)
-        env = launch_env(sidecar, device_type=_device_type(args))
-    except (ValueError, OSError) as err:
-        print(f"hf-zoffload launch: {err}", file=sys.stderr)
-        return 2
+    # a bad sidecar or setting: one line before anything starts (commands/errors.py)
+    sidecar = find_sidecar(zoffload_config=args.zoffload_config,
+                           config_file=args.config_file, environ=os.environ)
+    env = launch_env(sidecar, device_type=_device_type(args))
     where = sidecar or "defaults and HF_ZOFFLOAD_* variables (no sidecar yaml found)"
     state = "enabled" if env[ENABLED_ENV] == "true" else "disabled"
     print(f"hf-zoffload launch: ZeRO-Offload {state}; settings from {where}", file=sys.stderr)

@@ -10,6 +10,7 @@ import sys
 
 from hf_zoffload import __version__
 from hf_zoffload.commands import config, env, estimate, launch
+from hf_zoffload.commands.errors import TRACEBACK_ENV, run_command
 
 
 class SubcommandParser(argparse.ArgumentParser):
@@ -33,6 +34,8 @@ class SubcommandParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         "hf-zoffload", description="ZeRO-Offload for the Hugging Face stack.",
+        epilog=f"A bad setting or path is one line and exit status 2; {TRACEBACK_ENV}=1 shows "
+               "its traceback.",
         allow_abbrev=False)  # as SubcommandParser: `--vers` is not --version
     parser.add_argument("--version", action="version", version=f"hf-zoffload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser,
@@ -46,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "launch":
         # Everything after `launch` is accelerate launch's command line: its parser reads it.
-        return launch.run_argv(argv[1:])
+        return run_command("hf-zoffload launch", lambda: launch.run_argv(argv[1:]))
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    return run_command(f"hf-zoffload {args.command}", lambda: args.func(args))
 
 
 if __name__ == "__main__":

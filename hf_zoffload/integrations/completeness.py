@@ -21,15 +21,27 @@ The check verifies what a resume reads (transformers 5.x: ``Trainer._load_from_c
 - with the marker: every file it lists, at the size it lists (shards included);
 - without it (saved by the stock Trainer, or killed between ``trainer_state.json`` and the
   marker: every file whole then): the files above are there, and ``trainer_state.json``, the
-  file such a kill could have cut short, reads as JSON.
+  file such a kill could have cut short, reads as JSON;
+- either way, the structure of every file above, without reading its data (`file_problem`):
+  a ``.safetensors`` file's header (its 8-byte length and JSON) places every tensor inside
+  the file, end to end, and the file ends where the last one does, as the safetensors loader
+  requires; a ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) is a zip archive whose central
+  directory opens, whose pickle (CRC-checked, read without importing or running anything)
+  names storage records that are all there at their sizes. A header or directory written
+  half, bytes zeroed or garbled by a crash in those parts, a file cut short: all caught; bytes
+  garbled inside a tensor's data are not (neither format has a checksum over the data).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import math
 import os
+import pickle
 import re
+import zipfile
 
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import (
@@ -41,7 +53,8 @@ from transformers.utils import (
     WEIGHTS_NAME,
 )
 
-__all__ = ["COMPLETE_NAME", "remove_marker", "write_marker", "why_incomplete"]
+__all__ = ["COMPLETE_NAME", "remove_marker", "write_marker", "why_incomplete", "file_problem",
+           "weight_files"]
 
 COMPLETE_NAME = "zero_offload_complete.json"
 # Read whole when present, before any index (in this order of preference).
@@ -101,15 +114,19 @@ def why_incomplete(folder: str) -> str | None:
         missing = _missing_reads(folder, model_only=model_only)
     except _Unreadable as e:
         return str(e)
-    if sizes is not None:
-        return f"{missing[0][0]} is missing{missing[0][1]}" if missing else None
     if missing:
-        return f"no {COMPLETE_NAME} and no {', '.join(name + why for name, why in missing)}"
+        return (f"{missing[0][0]} is missing{missing[0][1]}" if sizes is not None else
+                f"no {COMPLETE_NAME} and no {', '.join(name + why for name, why in missing)}")
     try:  # the Trainer's last file: a kill before the marker may have cut it short
         with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
             json.load(f)
     except (OSError, ValueError) as e:
-        return f"no {COMPLETE_NAME} and {TRAINER_STATE_NAME} is unreadable ({e})"
+        return (f"{TRAINER_STATE_NAME} is unreadable ({e})" if sizes is not None else
+                f"no {COMPLETE_NAME} and {TRAINER_STATE_NAME} is unreadable ({e})")
+    for name in _read_files(folder, model_only=model_only):
+        problem = file_problem(os.path.join(folder, name))
+        if problem:
+            return f"{name} is corrupt ({problem})"
     return None
 
 
@@ -125,11 +142,39 @@ def _missing_reads(folder: str, *, model_only: bool) -> list[tuple[str, str]]:
         missing += [(n, "") for n in (OPTIMIZER_NAME, SCHEDULER_NAME) if n not in names]
         # rng_state.pth with one process, rng_state_<rank>.pth with several; a resume with
         # another process count reads what there is (the stock load skips the others).
-        if not any(n.startswith("rng_state") and n.endswith(".pth") for n in names):
+        if not _rng_files(names):
             missing.append(("rng_state.pth", ""))
     if TRAINER_STATE_NAME not in names:
         missing.append((TRAINER_STATE_NAME, ""))
     return missing
+
+
+def _rng_files(names) -> list[str]:
+    return sorted(n for n in names if n.startswith("rng_state") and n.endswith(".pth"))
+
+
+def _read_files(folder: str, *, model_only: bool) -> list[str]:
+    """The files of a checkpoint with nothing missing that a resume reads, weights first."""
+    names = set(os.listdir(folder))
+    out = weight_files(folder)
+    if not model_only:
+        out += [OPTIMIZER_NAME, SCHEDULER_NAME, *_rng_files(names)]
+    return out
+
+
+def weight_files(folder: str) -> list[str]:
+    """The weight files a resume of ``folder`` reads (as `_missing_weights` finds them):
+    the first single file present, else the index's shards; adapters in subfolders are
+    left to PEFT (empty list)."""
+    names = set(os.listdir(folder))
+    for n in _SINGLE_FILES:
+        if n in names:
+            return [n]
+    for index in _INDEXES:
+        if index in names:
+            with open(os.path.join(folder, index)) as f:
+                return sorted(set(json.load(f)["weight_map"].values()))
+    return []
 
 
 def _missing_weights(folder: str, names: set[str]) -> list[tuple[str, str]]:
@@ -156,3 +201,151 @@ def _adapter_subfolders(folder: str, names: set[str]) -> bool:
     return any(os.path.isfile(os.path.join(folder, n, a)) for n in names
                if os.path.isdir(os.path.join(folder, n))
                for a in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
+
+
+# --------------------------------------------------------------------------- file structure
+# What it costs, measured on the 2-vCPU EPYC (Zen 3) for a 134M-param Llama (hidden 768, 12
+# layers, untied vocab 32000): model.safetensors (537 MB, fp32) 0.3 ms from the page cache,
+# 3 ms after evicting it; the engine's optimizer.pt (1.6 GB, 450 records, a 35 KB pickle)
+# 18-33 ms cached, 40 ms evicted (1.2 s the first time, the disk's own cold start): the
+# central directory and the pickle, never the 1.6 GB.
+def file_problem(path: str) -> str | None:
+    """What is wrong with the structure of the file at ``path`` (its format by its name), or
+    None; reads its header or directory, never its data (module docstring)."""
+    if path.endswith(".safetensors"):
+        return _safetensors_problem(path)
+    if path.endswith((".pt", ".pth", ".bin")):
+        return _torch_save_problem(path)
+    return None
+
+
+# Bytes per element of the safetensors dtypes; a dtype not listed (sub-byte floats, one added
+# later) is only checked to lie within the file.
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+             "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+             "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_ST_MAX_HEADER = 100_000_000  # the safetensors loader refuses longer headers
+
+
+def _safetensors_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: no header length"
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _ST_MAX_HEADER):
+            return f"a header of {n} bytes in a file of {size}"
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is one
+            return f"the header is not JSON: {e}"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {key!r} has no valid dtype, shape and data_offsets"
+        itemsize = _ST_BYTES.get(dtype)
+        if end < begin or (itemsize is not None and end - begin != math.prod(shape) * itemsize):
+            return f"tensor {key!r}: data_offsets [{begin}, {end}] for {dtype} {shape}"
+        spans.append((begin, end, key))
+    at = 0
+    for begin, end, key in sorted(spans):  # end to end from 0, as the loader requires
+        if begin != at:
+            return f"tensor {key!r} starts at byte {begin} of the data, not {at}"
+        at = end
+    if 8 + n + at != size:
+        return f"{size} bytes, its header describes {8 + n + at}"
+    return None
+
+
+_ZIP_MAGIC, _PICKLE_PROTO = b"PK\x03\x04", b"\x80"
+
+
+def _torch_save_problem(path: str) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:1] == _PICKLE_PROTO:  # torch.save's legacy (pre-1.6) format: sizes checked only
+        return None
+    if head != _ZIP_MAGIC:
+        return "not a torch.save zip archive"
+    try:
+        with zipfile.ZipFile(path) as zf:  # reads the central directory at the end
+            infos = {i.filename: i for i in zf.infolist()}
+            pkl = [n for n in infos if n.rsplit("/", 1)[-1] == "data.pkl"]
+            if len(pkl) != 1:
+                return "no data.pkl record"
+            prefix = pkl[0][:-len("data.pkl")]
+            past = [n for n, i in infos.items() if i.header_offset + i.compress_size
+                    > zf.start_dir]
+            if past:
+                return f"record {past[0]} runs into the central directory"
+            records = _StorageRecords(zf.read(pkl[0]))  # CRC-checked
+            records.load()
+    except (zipfile.BadZipFile, OSError, EOFError, pickle.UnpicklingError, ValueError,
+            IndexError, TypeError, AttributeError, KeyError, OverflowError, RecursionError) as e:
+        return f"{type(e).__name__}: {e}"
+    for key, nbytes in records.storages:
+        info = infos.get(f"{prefix}data/{key}")
+        if info is None:
+            return f"record data/{key} is missing"
+        if nbytes is not None and info.file_size != nbytes:
+            return f"record data/{key} has {info.file_size} bytes, its tensor {nbytes}"
+    return None
+
+
+class _Stub:
+    """Whatever the pickle names: built and filled without importing or running anything."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Stub()
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+# torch's typed storage classes by name: bytes per element (UntypedStorage counts bytes).
+_STORAGE_BYTES = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2,
+                  "BFloat16Storage": 2, "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2,
+                  "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+                  "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1}
+
+
+class _StorageRecords(pickle.Unpickler):
+    """Reads a ``torch.save`` pickle for the storages it names: (record key, bytes or None).
+    torch writes each storage as the persistent id ('storage', storage class, key, location,
+    element count) and its bytes as the record ``data/<key>``."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.storages: list[tuple[str, int | None]] = []
+
+    def find_class(self, module, name):
+        return type(name, (_Stub,), {})  # a named stub: never an import
+
+    def persistent_load(self, pid):
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            itemsize = _STORAGE_BYTES.get(getattr(pid[1], "__name__", None))
+            numel = pid[4] if isinstance(pid[4], int) else None
+            self.storages.append((str(pid[2]), None if itemsize is None or numel is None
+                                  else itemsize * numel))
+        return _Stub()

@@ -32,6 +32,10 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
+import re
 import types
 import weakref
 from collections import OrderedDict
@@ -42,10 +46,16 @@ import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+from transformers.utils import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
            "engine_params", "tensor_parallel", "trains", "prepare_models", "saved_state_dict",
-           "install", "attached_engine"]
+           "remove_model_weights", "show_info_logs", "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
 # the copy times exist on CUDA only and are logged only where they were reported.
@@ -218,10 +228,45 @@ def _whole_model(model: torch.nn.Module, *, saves_here: bool):
     return out if rank == 0 and saves_here else None
 
 
+def _variant(name: str, variant: str | None) -> str:
+    # transformers' naming of a variant: model.safetensors -> model.fp16.safetensors
+    if not variant:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def remove_model_weights(folder: str, variant: str | None = None) -> list[str]:
+    """Remove the whole-model weights a previous save left in ``folder``, in either layout
+    and format (one file, or an index and its shards; safetensors or ``.bin``), of
+    ``variant``; returns the names removed. Run before a model is saved there.
+
+    transformers' ``save_pretrained`` (5.x) removes only the shards of its own pattern that
+    its new split does not write: a sharded save over one file leaves ``model.safetensors``,
+    a one-file save over shards leaves the index, and either leaves ``pytorch_model*.bin``.
+    The Trainer's resume reads ``model.safetensors`` (else ``pytorch_model.bin``) before any
+    index, so the stale file is what would be loaded."""
+    names = {_variant(n, variant) for n in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+                                            WEIGHTS_NAME, WEIGHTS_INDEX_NAME)}
+    stems = "|".join(re.escape(_variant(n, variant).rsplit(".", 1)[0])
+                     for n in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME))
+    shard = re.compile(rf"({stems})-\d{{5}}-of-\d{{5}}\.(safetensors|bin)")
+    removed = sorted(n for n in os.listdir(folder) if (n in names or shard.fullmatch(n))
+                     and os.path.isfile(os.path.join(folder, n)))
+    for n in removed:
+        os.remove(os.path.join(folder, n))
+    return removed
+
+
 def _save_pretrained(model, save_directory, *args, state_dict=None, **kwargs):
     """``save_pretrained`` of a model the engine trains. transformers writes the params' dtype
     into the config (``dtype``), which ``from_pretrained`` loads in; given the fp32 master
-    weights the config must say float32, or the fp32 file would be loaded as 16-bit."""
+    weights the config must say float32, or the fp32 file would be loaded as 16-bit. The
+    weights of an earlier save in the other layout are removed first (`remove_model_weights`)."""
+    given = inspect.signature(PreTrainedModel.save_pretrained).bind(
+        model, save_directory, *args, state_dict=state_dict, **kwargs).arguments
+    if given.get("is_main_process", True) and os.path.isdir(save_directory):
+        remove_model_weights(save_directory, given.get("variant"))
     # A model sharded at load time gathers its shards inside save_pretrained and then waits
     # for every rank at a barrier; the dict given is whole already and only this rank saves.
     sharded_at_load = getattr(model.config, "distributed_config", None)
@@ -241,6 +286,30 @@ def _save_pretrained(model, save_directory, *args, state_dict=None, **kwargs):
         finally:
             model.config.dtype = written
     return out
+
+
+# --------------------------------------------------------------------------- logs
+def show_info_logs(*, main_process: bool) -> bool:
+    """Print the package's INFO lines (the memory report, the host memory check, the long
+    host passes) on the main process when the user configured no logging: returns whether
+    a handler was added.
+
+    Why: the Trainer's default verbosity is WARNING and Python's default shows warnings only,
+    so these lines, what a user most needs at the start of a run (what offload saves, whether
+    it fits) and none of them a warning, showed only with INFO logging set up by hand. A user
+    who set up logging (a root handler, as ``logging.basicConfig`` adds; or a handler or
+    level on the ``hf_zoffload`` logger) keeps exactly what they chose (one set up after the
+    Trainer is built gets these lines twice: set it up first); the other ranks print nothing
+    more, as the Trainer's own replicas log less."""
+    pkg = logging.getLogger(__name__.split(".")[0])
+    if not main_process or pkg.handlers or pkg.level != logging.NOTSET \
+            or logging.getLogger().handlers:
+        return False
+    handler = logging.StreamHandler()  # stderr, where Python's own last-resort output goes
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+    return True
 
 
 # --------------------------------------------------------------------------- accelerator

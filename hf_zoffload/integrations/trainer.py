@@ -51,16 +51,21 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+import pickle
+import re
 import warnings
+import zipfile
 
 import torch
+from safetensors import SafetensorError
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
@@ -74,6 +79,22 @@ __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS
            "check_argv"]
 
 _MULTI_DEVICE = "torch.nn.DataParallel is not supported"
+
+# What a checkpoint file can still raise as it loads once `completeness.why_incomplete` found
+# its structure whole: bytes garbled inside the data, a read error, tensors of another model.
+_LOAD_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile,
+                SafetensorError)
+
+
+@contextlib.contextmanager
+def _loading(checkpoint: str, what: str):
+    """A file of ``checkpoint`` that fails to load: one line naming it and the checkpoint."""
+    try:
+        yield
+    except _LOAD_ERRORS as e:
+        detail = " ".join(str(e).split())
+        raise ValueError(f"checkpoint {checkpoint}: {what} failed to load ({type(e).__name__}: "
+                         f"{detail}); nothing was trained or saved") from e
 
 
 # --------------------------------------------------------------------------- callbacks
@@ -142,6 +163,7 @@ class ZeroOffloadTrainer(Trainer):
                              "combined; launch without FSDP")
         self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
+        core.show_info_logs(main_process=self.args.should_log)  # the report at default levels
 
     # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
     # makes the stock Trainer refuse optimizer checkpoints, average the gradients of its plain
@@ -249,21 +271,56 @@ class ZeroOffloadTrainer(Trainer):
         if self.args.should_save:
             completeness.write_marker(folder, model_only=self.args.save_only_model)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.zero_offload and resume_from_checkpoint is True:
+            resume_from_checkpoint = self._newest_complete_checkpoint()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _newest_complete_checkpoint(self) -> str | bool:
+        """``resume_from_checkpoint=True``: the newest checkpoint in ``output_dir`` that
+        `completeness.why_incomplete` finds whole, with one warning naming the newer ones
+        skipped and why (a save cut short leaves the newest one broken; the stock Trainer
+        would stop on it, or resume from it without a word). None whole: one error. No
+        checkpoint at all: True, so the stock Trainer says so as it always has."""
+        out = self.args.output_dir
+        if not os.path.isdir(out) or get_last_checkpoint(out) is None:
+            return True
+        skipped = []
+        for ckpt in reversed(sort_checkpoints(out)):  # newest first
+            if not re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", os.path.basename(ckpt)):
+                continue  # what get_last_checkpoint takes: not checkpoint-4-old
+            why = completeness.why_incomplete(ckpt)
+            if why is None:
+                if skipped and self.args.should_log:
+                    logger.warning("resume_from_checkpoint=True: resuming from %s, the newest "
+                                   "complete checkpoint; skipped %s", ckpt, "; ".join(
+                                       f"{c} ({w})" for c, w in skipped))
+                return ckpt
+            skipped.append((ckpt, why))
+        raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {out}: "
+                         + "; ".join(f"{c} is incomplete ({w})" for c, w in skipped)
+                         + ". Start without resuming, or delete the broken checkpoints")
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
-        why = completeness.why_incomplete(ckpt) if self.zero_offload and os.path.isdir(ckpt) \
-            else None
+        if not self.zero_offload or not os.path.isdir(ckpt):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        why = completeness.why_incomplete(ckpt)
         if why:
             parent = os.path.dirname(os.path.abspath(ckpt))
             whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
                 c, ckpt) and completeness.why_incomplete(c) is None]
             raise ValueError(
                 f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
-                + (f"The newest complete checkpoint is {whole[0]}: resume from it, or delete "
-                   f"{ckpt} so that resume_from_checkpoint=True picks it" if whole else
+                + (f"The newest complete checkpoint is {whole[0]}: resume from it "
+                   "(resume_from_checkpoint=True picks it)" if whole else
                    f"No complete checkpoint in {parent}: start without resuming"))
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        files = completeness.weight_files(ckpt)
+        what = files[0] if len(files) == 1 else f"the weights ({', '.join(files)})" if files \
+            else "the weights"
+        with _loading(ckpt, what):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The Trainer calls optimizer.state_dict() on the saving rank only; with N ranks the
@@ -282,12 +339,15 @@ class ZeroOffloadTrainer(Trainer):
         sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
         if not (os.path.isfile(opt_path) and os.path.isfile(sched_path)):
             return None
-        self.optimizer.load_state_dict(
-            torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True))
-        with warnings.catch_warnings(record=True) as caught:
-            self.lr_scheduler.load_state_dict(
-                torch.load(sched_path, map_location="cpu", weights_only=True))
-        reissue_pt_warnings(caught)
+        # Both read before either is applied: a file that fails to load changes nothing.
+        with _loading(checkpoint, OPTIMIZER_NAME):
+            opt_state = torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings(record=True) as caught, _loading(checkpoint, SCHEDULER_NAME):
+            sched_state = torch.load(sched_path, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(opt_state)
+        with warnings.catch_warnings(record=True) as caught_too:
+            self.lr_scheduler.load_state_dict(sched_state)
+        reissue_pt_warnings(caught + caught_too)
         return None
 
     # ------------------------------------------------- saved weights and the loss scale
@@ -321,7 +381,8 @@ class ZeroOffloadTrainer(Trainer):
         path = os.path.join(checkpoint, SCALER_NAME)
         if not os.path.isfile(path):
             return None
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with _loading(checkpoint, SCALER_NAME):
+            state = torch.load(path, map_location="cpu", weights_only=True)
         if not engine.loss_scaler.is_enabled():
             logger.info("%s: the checkpoint's fp16 loss scale is not used by this %s run",
                         path, engine.plugin.compute_dtype)
@@ -424,14 +485,16 @@ class ZeroOffloadTrainer(Trainer):
 
     def _log_memory_report(self) -> None:
         """The engine's model-state memory, once: the table to the logger at INFO (where the
-        Trainer's own account of a run goes; a warning would say something is wrong), and
-        three figures on the first entry logged (`_log_extras`): the printed log line shows
-        them at any log level, and the integrations record them."""
+        Trainer's own account of a run goes; a warning would say something is wrong; shown
+        at the default log level by `core.show_info_logs`), and three figures on the first
+        entry logged (`_log_extras`): the printed log line shows them at any log level, and
+        the integrations record them. With gradient accumulation its buffers are counted
+        from the start, before the second micro-step allocates them."""
         engine = self.engine
         if engine is None or self._memory_logged:
             return
         self._memory_logged = True
-        report = engine.memory_report()
+        report = engine.memory_report(accumulates=self.args.gradient_accumulation_steps > 1)
         logger.info("ZeRO-Offload memory (model states)\n%s", format_report(report))
         self._memory_figures = {
             "offload_device_mib": round(report["device_total"] / 2**20, 3),

@@ -581,10 +581,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.phase, self.closed = Phase.CLOSED, True
 
     # ------------------------------------------------------------- reporting
-    def memory_report(self) -> dict:
+    def memory_report(self, *, accumulates: bool = False) -> dict:
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
-        structure (see `memory.engine_report`)."""
-        return engine_report(self)
+        structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
+        accumulation over micro-steps will add, allocated or not."""
+        return engine_report(self, accumulates=accumulates)
 
 
 def _buckets(n: int) -> str:

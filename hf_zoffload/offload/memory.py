@@ -9,6 +9,7 @@ counted with the device's params and, by dtype, on a line of their own (`frozen_
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -17,6 +18,7 @@ from ..ops.moments import FORMATS, moment_format
 from .host import plan_blocks
 from .support import local
 
+logger = logging.getLogger(__name__)
 _MIB = 1024**2
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -44,10 +46,11 @@ def estimate(
     buckets in flight. Host, per rank: fp32 master weights (4 B/param) and both moments
     (``state_dtype``: fp32 8, bf16 4, int8 about 2 B/param) for this rank's ``1/world_size``
     shard, the 16-bit gradient buffer (which the update's new params overwrite on their way
-    back), the fp32 accumulation buffer when gradients are accumulated over micro-steps,
-    and a second gradient buffer for the delayed update. ``pinned``: the gradient buffers
-    are page-locked, held as the engine's pool holds them (host.py: power-of-two blocks of
-    whole buckets), with buckets of ``bucket_size_mb`` each.
+    back), a second gradient buffer for the delayed update, and with ``grad_accumulation``
+    the buffers of micro-step accumulation (`accumulation_needed`: with one process an fp32
+    sum per grad set, with N ranks whole unreduced buckets as well). ``pinned``: the
+    gradient buffers are page-locked, held as the engine's pool holds them (host.py:
+    power-of-two blocks of whole buckets), with buckets of ``bucket_size_mb`` each.
     """
     if n_params < 0 or n_frozen < 0:
         raise ValueError("n_params and n_frozen must be >= 0")
@@ -79,8 +82,16 @@ def estimate(
         "exp_avg": moment,
         "exp_avg_sq": moment,
         "grad_staging": staged(w) * (2 if delayed_update else 1),
-        "grad_accumulation": 4 * shard if grad_accumulation else 0,
+        "grad_accumulation": 0,
     }
+    if grad_accumulation and n_params:
+        per = max(1, int(bucket_size_mb * _MIB) // 2)  # params per bucket
+        padded = [-(-min(per, n_params - i) // world_size) * world_size
+                  for i in range(0, n_params, per)]
+        for kind, n in accumulation_needed(padded, world=world_size, param_bytes=w,
+                                           delayed_update=delayed_update,
+                                           pinned=pinned).items():
+            host[_ACCUMULATION_ROWS[kind[0]]] += n
     frozen = {compute_dtype: n_frozen * w} if n_frozen else {}
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=frozen,
                    state_dtype=state_dtype)
@@ -131,11 +142,50 @@ _POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging",
                "unreduced16": "unreduced", "unreduced32": "grad_accumulation"}
 
 
-def engine_report(opt) -> dict:
+# --------------------------------------------------------------------------- accumulation
+# Where each buffer of `accumulation_needed` is reported (as `engine_report` reports it once
+# allocated: "acc" in the host states, the others pool kinds; unreduced16 is a host buffer
+# behind the device's on CUDA, which `estimate` describes).
+_ACCUMULATION_ROWS = {"acc": "grad_accumulation", "unreduced32": "grad_accumulation",
+                      "grad32": "grad_staging", "unreduced16": "grad_staging"}
+
+
+def accumulation_needed(padded: list[int], *, world: int, param_bytes: int,
+                        delayed_update: bool, pinned: bool) -> dict[tuple, int]:
+    """Host bytes that gradient accumulation over micro-steps adds, by the engine's kind of
+    buffer, for buckets of ``padded`` elements over ``world`` ranks, as the Trainer and
+    accelerate's ``accumulate()`` run it (every micro-step but the last without sync). Each
+    is allocated at the first window of two backwards, and kept:
+
+    - one process: each bucket shard's fp32 sum of the window's earlier backwards
+      (``GradBuffers.acc``, pageable, 4 B/param), one per set of grad buffers: two with the
+      delayed update (the background step reads one set's sum while the next window adds
+      into the other's);
+    - N ranks: a micro-step without a collective copies each whole bucket to the host
+      (``unreduced16``, compute dtype), summed there in fp32 (``unreduced32``), both whole
+      buckets (not 1/N), from the pool; with a 16-bit compute dtype the reduced fp32 sum
+      lands in an fp32 buffer per shard (``grad32``, per set; fp32 lands in ``grad16``)."""
+    sets = range(2 if delayed_update else 1)
+    shards = [n // world for n in padded]
+    if world == 1:
+        return {("acc", s): 4 * sum(shards) for s in sets}
+
+    def pooled(numels, size):
+        return sum(cap for cap, _ in plan_blocks([n * size for n in numels], pinned=pinned))
+
+    return {("unreduced16",): pooled(padded, param_bytes),
+            ("unreduced32",): pooled(padded, 4),
+            **{("grad32", s): pooled(shards, 4) for s in sets if param_bytes != 4}}
+
+
+def engine_report(opt, *, accumulates: bool = False) -> dict:
     """`ZeroOffloadOptimizer.memory_report()`: the bytes the engine holds, measured from its
     public facts (``buckets``' layouts and host states, ``host_pool``, ``frozen``,
-    ``n_frozen``, ``dtype``, ``device``). Pooled host buffers count as the blocks allocated
-    for them (for pinned memory, the power-of-two blocks torch's allocator holds).
+    ``n_frozen``, ``dtype``, ``device``, ``exchange.world``). Pooled host buffers count as the
+    blocks allocated for them (for pinned memory, the power-of-two blocks torch's allocator
+    holds). ``accumulates``: the run accumulates gradients over micro-steps, so the buffers of
+    `accumulation_needed` not allocated yet are counted too (``report["accumulation"]``
+    says which).
 
     With N ranks the host side is this rank's: its shards, about 1/N of the state, plus the
     full-bucket buffers of accumulation without a collective when that is used. On a
@@ -147,8 +197,15 @@ def engine_report(opt) -> dict:
     for b in opt.buckets:
         for kind, n in b.state.nbytes().items():
             host[kind] += n
+    held = opt.host_pool.held()
+    coming = _accumulation_coming(opt) if accumulates else {}
+    for kind, n in coming.items():
+        if kind[0] == "acc":
+            host["grad_accumulation"] += n
+        else:
+            held[kind] = n
     unreduced = 0
-    for kind, n in opt.host_pool.held().items():
+    for kind, n in held.items():
         name = _POOL_KINDS[kind[0]]
         if name == "unreduced":
             unreduced += n
@@ -173,7 +230,37 @@ def engine_report(opt) -> dict:
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
+    if accumulates:
+        report["accumulation"] = _accumulation_line(opt)
     return report
+
+
+def _accumulation_need(opt) -> dict[tuple, int]:
+    return accumulation_needed([b.layout.padded for b in opt.buckets], world=opt.exchange.world,
+                               param_bytes=opt.dtype.itemsize,
+                               delayed_update=opt.plugin.delayed_update,
+                               pinned=opt.host_pool.pin and not opt.host_pool.pageable_reason)
+
+
+def _accumulation_coming(opt) -> dict[tuple, int]:
+    """The buffers of `accumulation_needed` this engine has not allocated yet."""
+    held = set(opt.host_pool.held())
+    held |= {("acc", g.which) for b in opt.buckets for g in (b.state.grads, b.state.spare)
+             if g is not None and g.acc is not None}
+    return {k: n for k, n in _accumulation_need(opt).items() if k not in held}
+
+
+def _accumulation_line(opt) -> str:
+    """Which buffers accumulation keeps, their dtypes and bytes (`format_report` prints it)."""
+    need = _accumulation_need(opt)
+    if opt.exchange.world == 1:
+        what = "an fp32 sum of each bucket shard" + (
+            ", for each of the delayed update's 2 sets of grad buffers" if len(need) == 2 else "")
+    else:
+        what = (f"whole unreduced buckets ({str(opt.dtype).removeprefix('torch.')} grads and "
+                "their fp32 sum)" + (", an fp32 landing buffer per shard and set of grad "
+                                     "buffers" if opt.dtype.itemsize != 4 else ""))
+    return f"{what}: {human(sum(need.values()))}"
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
@@ -241,12 +328,17 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
                            delayed_update=plugin.delayed_update, pinned=pinned)
 
     needed = need(plugin.state_dtype)
-    if plugin.host_memory_limit_bytes:
-        have, why = plugin.host_memory_limit_bytes, "host_memory_limit"
-    else:
-        have, why = available if available is not None else host_available()
+    limit = plugin.host_memory_limit_bytes
+    avail, avail_why = available if available is not None else host_available()
+    have, why = (limit, "host_memory_limit") if limit else (avail, avail_why)
     total = sum(needed.values())
     if have is None or total <= have:
+        # the passing check's figures, one line (INFO: nothing is wrong)
+        logger.info("ZeRO-Offload host memory check %s: %s needed on this rank, %s available "
+                    "(%s), %s", "passed" if have is not None else "skipped", human(total),
+                    "unknown" if avail is None else human(avail), avail_why,
+                    f"limit host_memory_limit={human(limit)}" if limit
+                    else "no host_memory_limit set")
         return needed
     fits = [f"state_dtype={m} ({human(sum(need(m).values()))})" for m in FORMATS
             if m != plugin.state_dtype and sum(need(m).values()) <= have]
@@ -281,6 +373,8 @@ def format_report(report: dict) -> str:
     lines.append(
         f"  plain AMP AdamW would need {human(report['plain_adamw_device_total'])} on the device"
     )
+    if report.get("accumulation"):
+        lines.append(f"  gradient accumulation keeps {report['accumulation']}")
     if report.get("host_pinning", "").startswith("pageable"):
         lines.append(f"  host buffers are {report['host_pinning']}: copies do not overlap")
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 `scripts/run_clm.py --zero_offload` is killed with SIGKILL at a seeded random step after a
 checkpoint, resumed with --resume_from_checkpoint, and must log the same losses, bit for bit,
 as a run that was never interrupted: fp32 and bf16, with and without the delayed update. A
-checkpoint whose save was cut short must be refused with one clear error, never resumed from.
+checkpoint whose save was cut short must be refused with one clear error, never resumed from;
+``--resume_from_checkpoint true`` resumes from the newest complete one, with a warning.
 
 Every run_clm process spends ~11 s of its ~15 s importing torch and transformers, so the 13
 processes start in two rounds (the reference and killed runs, then the resumes and the broken
@@ -13,8 +14,10 @@ CPU), against ~195 s in a row.
 
 import functools
 import json
+import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +32,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel, PreTrainedModel
 from transformers.trainer_utils import get_last_checkpoint
 
+from hf_zoffload.integrations import completeness
 from hf_zoffload.integrations.completeness import why_incomplete, write_marker
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
@@ -248,6 +252,12 @@ def _cut_short(path: Path) -> None:
     os.truncate(path, path.stat().st_size // 2)
 
 
+def _garble(path: Path, at: int, data: bytes) -> None:
+    with open(path, "r+b") as f:  # same size: the marker's sizes still match
+        f.seek(at)
+        f.write(data)
+
+
 # What a save killed at some point, or a crash of the machine, leaves in checkpoint-4. The
 # first two are resumed from without a word by the stock load (it skips missing files).
 BREAKS = {
@@ -260,29 +270,80 @@ BREAKS = {
     "killed before the last file": (
         lambda c: [(c / n).unlink() for n in ("trainer_state.json", MARKER)],
         f"no {MARKER} and no trainer_state.json"),
+    # a crash garbling a header: the sizes match, the content does not
+    "weights header garbled": (lambda c: _garble(c / "model.safetensors", 8, b"\xff" * 16),
+                               r"model.safetensors is corrupt \(the header is not JSON: .+\)"),
 }
 
 
 @pytest.mark.parametrize("kind", list(BREAKS))
-def test_resume_true_refuses_a_broken_newest_checkpoint(run_copy, kind):
+def test_a_broken_newest_checkpoint_is_skipped_by_resume_true(run_copy, kind, caplog):
     full, out = run_copy
     brk, why = BREAKS[kind]
     brk(out / "checkpoint-4")
-    _refused_then_resumed_from_the_one_named(full, out, why)
+    _refused_then_resumed_from_the_one_named(full, out, why, caplog)
 
 
-def _refused_then_resumed_from_the_one_named(full, out, why) -> None:
-    """resume=True refuses checkpoint-4, naming checkpoint-2, before the model changed; a
-    resume from checkpoint-2 then logs the uninterrupted run's losses."""
+def _refused_then_resumed_from_the_one_named(full, out, why, caplog) -> None:
+    """The path of the broken checkpoint-4 is refused, naming checkpoint-2, before the model
+    changed; resume=True resumes from checkpoint-2 with one warning naming checkpoint-4 and
+    why, and logs the uninterrupted run's losses."""
     model = tiny_gpt2()
     with pytest.raises(ValueError, match=rf"checkpoint-4 is incomplete \({why}\): its save was "
                        rf"interrupted. The newest complete checkpoint is .*checkpoint-2"):
-        _train(out, resume=True, model=model)
+        _train(out, resume=str(out / "checkpoint-4"), model=model)
     # refused before the checkpoint's weights were loaded: still the seeded initial ones
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  tiny_gpt2().state_dict().values()))
-    resumed = _train(out, resume=str(out / "checkpoint-2"))  # the one the error named
+    with caplog.at_level(logging.WARNING, logger="hf_zoffload"):
+        resumed = _train(out, resume=True)
+    warned = [r.getMessage() for r in caplog.records if "resume_from_checkpoint" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert re.fullmatch(rf"resume_from_checkpoint=True: resuming from \S*checkpoint-2, the "
+                        rf"newest complete checkpoint; skipped \S*checkpoint-4 \({why}\)",
+                        warned[0]), warned[0]
     assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def test_resume_true_with_no_complete_checkpoint_is_one_error(run_copy):
+    _, out = run_copy
+    for step in (2, 4):
+        (out / f"checkpoint-{step}" / "optimizer.pt").unlink()
+    listing = sorted(p.name for p in out.rglob("*"))
+    with pytest.raises(ValueError, match=rf"^resume_from_checkpoint=True: no complete "
+                       rf"checkpoint in {re.escape(str(out))}: \S*checkpoint-4 is incomplete "
+                       rf"\(optimizer.pt is missing\); \S*checkpoint-2 is incomplete "
+                       rf"\(optimizer.pt is missing\). Start without resuming"):
+        _train(out, resume=True)
+    assert sorted(p.name for p in out.rglob("*")) == listing
+
+
+def test_a_file_that_fails_to_load_is_named(run_copy, monkeypatch):
+    """Past the structure check (an unknown dtype is only placed, not judged; a check that saw
+    nothing), a file that fails to load is one error naming it and the checkpoint, before
+    anything is trained or written."""
+    _, out = run_copy
+    ckpt = out / "checkpoint-4"
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data.replace(b'"F32"', b'"F33"', 1))
+    write_marker(str(ckpt), model_only=False)
+    listing = {p: p.stat().st_size for p in out.rglob("*")}
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(ckpt))}: "
+                       r"model.safetensors failed to load \(SafetensorError: .*F33.*\); "
+                       r"nothing was trained or saved$"):
+        _train(out, resume=str(ckpt))
+    weights.write_bytes(data)
+    opt = ckpt / "optimizer.pt"
+    _cut_short(opt)
+    (ckpt / MARKER).unlink()
+    monkeypatch.setattr(completeness, "file_problem", lambda path: None)
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(ckpt))}: optimizer.pt "
+                       r"failed to load \(RuntimeError: .+\); nothing was trained or saved$"):
+        _train(out, resume=str(ckpt))
+    assert {p: p.stat().st_size for p in out.rglob("*") if p.exists()} == {
+        p: (opt.stat().st_size if p == opt else n) for p, n in listing.items()
+        if p != ckpt / MARKER}
 
 
 def test_checkpoint_killed_after_its_last_file_still_resumes(run_copy):
@@ -397,11 +458,11 @@ SHARDED_BREAKS = {
 
 
 @pytest.mark.parametrize("kind", list(SHARDED_BREAKS))
-def test_a_sharded_checkpoint_cut_short_is_refused(sharded_copy, kind):
+def test_a_sharded_checkpoint_cut_short_is_refused(sharded_copy, kind, caplog):
     full, out = sharded_copy
     brk, why = SHARDED_BREAKS[kind]
     brk(out / "checkpoint-4")
-    _refused_then_resumed_from_the_one_named(full, out, why)  # checkpoint-2: sharded, whole
+    _refused_then_resumed_from_the_one_named(full, out, why, caplog)  # checkpoint-2: whole
 
 
 def test_a_model_only_save_needs_no_optimizer_state(run_copy):

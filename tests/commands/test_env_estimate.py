@@ -192,7 +192,7 @@ def test_estimate_says_which_state_dtype_fits(capsys, monkeypatch):
 
 def test_estimate_never_downloads(capsys):
     assert main(["estimate", "--model", "no-such-org/no-such-model-zz"]) == 2
-    assert "never downloads" in capsys.readouterr().out
+    assert "never downloads" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,value", [("7B", 7 * 10**9), ("124M", 124 * 10**6),
@@ -218,9 +218,10 @@ def test_parse_errors_name_the_units(text):
 
 def test_gpu_memory_without_a_unit_is_refused(capsys):
     assert main(["estimate", "--params", "7B", "--gpu_memory", "24"]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("hf-zoffload estimate: --gpu_memory '24': expected a number with a "
-                          "unit") and "24GiB" in out
+    out = capsys.readouterr().err
+    assert out.startswith("hf-zoffload estimate: error: ValueError: --gpu_memory '24': expected "
+                          "a number with a unit") and "24GiB" in out
+    assert len(out.strip().splitlines()) == 1
 
 
 def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
@@ -246,9 +247,9 @@ def test_estimate_tensor_parallel_counts_a_ranks_shards(capsys, monkeypatch):
     assert r["report"]["device"]["params"] == 2 * per_rank
     assert r["report"]["host"]["master"] == 4 * per_rank // 2  # data parallel 2 shares it
     assert main(["estimate", "--params", "7B", "--tp_size", "2", "--num_gpus", "2"]) == 2
-    assert "needs MODEL, --model or --model_type" in capsys.readouterr().out
+    assert "needs MODEL, --model or --model_type" in capsys.readouterr().err
     assert main(["estimate", "--model_type", "llama", "--tp_size", "3", "--num_gpus", "4"]) == 2
-    assert "positive multiple of --tp_size" in capsys.readouterr().out
+    assert "positive multiple of --tp_size" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ abbreviations
@@ -311,7 +312,7 @@ def test_estimate_reads_the_sidecar_env_calls_effective(tmp_path, monkeypatch, c
         f"settings: state_dtype=fp32 (default), compute_dtype=bf16 (default), "
         f"bucket_size_mb=32.0 (default), delayed_update=True ({other}), ")
     assert main(["estimate", "--params", "7B", "--zoffload_config", str(tmp_path / "no")]) == 2
-    assert "--zoffload_config" in capsys.readouterr().out
+    assert "--zoffload_config" in capsys.readouterr().err
 
 
 def test_estimate_takes_the_model_as_a_positional(tmp_path, capsys):
@@ -324,7 +325,7 @@ def test_estimate_takes_the_model_as_a_positional(tmp_path, capsys):
         by_flag = _json(capsys, "--model", model)
         assert _json(capsys, model) == by_flag and by_flag["report"]["n_params"] == 172_288
     assert main(["estimate", "no-such-org/no-such-model-zz"]) == 2
-    assert "MODEL 'no-such-org/no-such-model-zz' is neither" in capsys.readouterr().out
+    assert "MODEL 'no-such-org/no-such-model-zz' is neither" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one source only
         main(["estimate", str(tmp_path), "--params", "7B"])
     assert "not allowed with argument" in capsys.readouterr().err

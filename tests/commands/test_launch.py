@@ -90,10 +90,10 @@ def test_default_sidecar_exports_no_compute_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("problem, message", [
-    ("missing", "hf-zoffload launch: --zoffload_config={path}: no such file"),
-    ("yaml", "hf-zoffload launch: {path}: not valid YAML at line 3"),
-    ("triton", "hf-zoffload launch: ZeRO-Offload setting 'kernels': 'triton' needs a CUDA "
-               "device, and this run's device is cpu"),
+    ("missing", "hf-zoffload launch: error: ValueError: --zoffload_config={path}: no such file"),
+    ("yaml", "hf-zoffload launch: error: ValueError: {path}: not valid YAML at line 3"),
+    ("triton", "hf-zoffload launch: error: ValueError: ZeRO-Offload setting 'kernels': "
+               "'triton' needs a CUDA device, and this run's device is cpu"),
 ])
 def test_launch_errors_are_one_line(tmp_path, capsys, monkeypatch, problem, message):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite's interpreter mode

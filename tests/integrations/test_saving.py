@@ -9,10 +9,12 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_zoffload import prepare_zero_offload
+from hf_zoffload import ZeroOffloadOptimizer, prepare_zero_offload
+from hf_zoffload.integrations import core
 from tests.integrations.test_trainer import Tokens, gpt2, run
 
-FP16 = {"zero_offload_init_scale": 2.0**10}  # a scale this model's fp16 grads survive
+FP16 = {"zero_offload_init_scale": 2.0**10}
+INDEX = "model.safetensors.index.json"  # a scale this model's fp16 grads survive
 
 
 def _masters(engine, model):
@@ -131,3 +133,41 @@ def test_resume_across_precisions_and_trainers(tmp_path, saved_by, resumed_by):
     else:
         state = trainer.optimizer.optimizer.state
         assert {float(s["step"]) for s in state.values()} == {5.0}  # AdamW's counts resumed
+
+
+# ------------------------------------------------- a save over a save of the other layout
+def _weight_names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name.startswith(("model", "pytorch_model")))
+
+
+def test_a_save_removes_the_other_layouts_weights(tmp_path):
+    """Sharded over one file, one file over shards, safetensors over a .bin: only the new
+    layout's weights stay, so a load (the Trainer's resume reads model.safetensors, else
+    pytorch_model.bin, before any index) reads what was saved last. The stock save_pretrained
+    leaves model.safetensors under new shards: the reason this exists."""
+    model = gpt2()
+    engine = ZeroOffloadOptimizer(model.parameters(), lr=1e-2)
+    stock = gpt2()
+    stock.save_pretrained(tmp_path / "stock")
+    stock.save_pretrained(tmp_path / "stock", max_shard_size="40KB")
+    assert "model.safetensors" in _weight_names(tmp_path / "stock")  # stale, and read first
+
+    core.prepare_models(engine, [model])
+    out = tmp_path / "ours"
+    out.mkdir()
+    torch.save({"stale": torch.ones(1)}, out / "pytorch_model.bin")
+    (out / "pytorch_model-00001-of-00002.bin").write_bytes(b"stale")
+    (out / "model.fp16.safetensors").write_bytes(b"another variant: left alone")
+    model.save_pretrained(out)
+    assert _weight_names(out) == ["model.fp16.safetensors", "model.safetensors"]
+    model.save_pretrained(out, max_shard_size="40KB")
+    shards = [n for n in _weight_names(out) if n.startswith("model-")]
+    assert len(shards) >= 2
+    assert _weight_names(out) == sorted(["model.fp16.safetensors", *shards, INDEX])
+    model.save_pretrained(out)
+    assert _weight_names(out) == ["model.fp16.safetensors", "model.safetensors"]
+    saved, now = load_file(str(out / "model.safetensors")), model.state_dict()
+    assert saved and all(torch.equal(t, now[n]) for n, t in saved.items())
+    model.save_pretrained(out, is_main_process=False)  # another rank: touches nothing
+    assert _weight_names(out) == ["model.fp16.safetensors", "model.safetensors"]

@@ -1,5 +1,6 @@
 """ZeroOffloadTrainer against the stock Trainer and a plain mixed-precision reference (CPU)."""
 
+import logging
 import math
 import os
 import pickle
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from hf_zoffload.config import ZeroOffloadPlugin
+from hf_zoffload.integrations import core
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from tests._tiny import TokenBlocks
 
@@ -235,6 +237,43 @@ def test_logs_scale_skips_time_split_and_memory(tmp_path, caplog):
     assert len(trainer.state.log_history) == len(on_log.seen) == 5  # 4 steps, the summary
     # the scheduler held on the skipped step: step 2 uses the warm-up's first lr again
     assert logs[1]["learning_rate"] == logs[0]["learning_rate"] < logs[2]["learning_rate"]
+
+
+@pytest.fixture
+def no_logging_setup():
+    """The package's logger untouched; what `core.show_info_logs` adds is removed afterwards.
+    (The test sets pytest's root handlers aside itself: pytest adds them as the test body
+    starts, after the fixtures.)"""
+    pkg = logging.getLogger("hf_zoffload")
+    level, handlers = pkg.level, list(pkg.handlers)
+    pkg.setLevel(logging.NOTSET)
+    yield pkg
+    pkg.handlers[:] = handlers
+    pkg.setLevel(level)
+
+
+def test_memory_report_shows_at_the_default_log_level(tmp_path, capsys, monkeypatch,
+                                                      no_logging_setup):
+    """No logging set up: the host check's line and the report print once, on stderr; the
+    report counts the accumulation sum (gradient_accumulation_steps=2) that the second
+    micro-step allocates, at the bytes the engine then holds."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as a plain script
+    on_log = OnLog()
+    trainer, _ = run(tmp_path, gpt2(), offload=True, max_steps=2, callbacks=[on_log])
+    err = capsys.readouterr().err
+    assert err.count("ZeRO-Offload host memory check passed: ") == 1, err
+    assert err.count("ZeRO-Offload memory (model states)") == 1, err
+    assert "gradient accumulation keeps an fp32 sum of each bucket shard: " in err
+    held = trainer.engine.memory_report()["host_total"]
+    assert trainer.engine.memory_report()["host"]["grad_accumulation"] > 0
+    assert on_log.seen[0]["offload_host_mib"] == round(held / 2**20, 3)
+    # logging set up by the user (a root handler, as logging.basicConfig adds): left as it is
+    no_logging_setup.handlers.clear()
+    no_logging_setup.setLevel(logging.NOTSET)
+    logging.getLogger().handlers.append(logging.NullHandler())
+    assert not core.show_info_logs(main_process=True) and not no_logging_setup.handlers
+    logging.getLogger().handlers.clear()
+    assert not core.show_info_logs(main_process=False) and not no_logging_setup.handlers
 
 
 def _same_history(got, ref):

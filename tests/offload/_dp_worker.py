@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload.memory import accumulation_needed
 
 # Plain torch, no transformers: a spawned rank imports in ~5 s instead of ~13 s (2 cores).
 LR, ACCUM, MAX_NORM, STEPS, ROWS, VOCAB, SEQ = 3e-3, 2, 0.5, 10, 4, 97, 16
@@ -127,6 +128,11 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
     return {"losses": losses, "norms": norms, "masters": masters,
             "params": [p.detach().clone() for p in model.parameters()],
             "memory": opt.memory_report(), "no_sync_bytes": no_sync_bytes,
+            # what memory_report(accumulates=True) counts ahead, and what the pool then held
+            "acc_need": accumulation_needed(
+                [b.layout.padded for b in opt.buckets], world=opt.exchange.world,
+                param_bytes=opt.dtype.itemsize, delayed_update=opt.plugin.delayed_update,
+                pinned=opt.host_pool.pin), "held": opt.host_pool.held(),
             "bucket_order": opt.bucket_order,
             "sent": dict(opt.exchange.sent) if opt.exchange.world > 1 else {}}
 

@@ -9,6 +9,7 @@ import torch
 from transformers import get_scheduler
 
 from hf_zoffload import CPUAdam, ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload.memory import estimate, human
 from tests._tiny import MODELS, batches, decay_groups, tiny_gpt2
 
 # fp32 compute: the engine and torch.optim.AdamW run the same formulas in fp32, but the
@@ -308,6 +309,37 @@ def test_memory_report_counts_host_state():
     assert rep["host"]["master"] == rep["host"]["exp_avg"] == 4 * n
     assert rep["device"]["params"] == 2 * n
     assert rep["plain_adamw_device_total"] == 16 * n
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
+def test_memory_report_counts_accumulation_before_it_is_allocated(delayed):
+    """accumulates=True: the fp32 sums that the second micro-step of a window allocates
+    (one per grad set: two with the delayed update) are in the report from the start, at
+    the bytes the engine then holds; `estimate` counts them the same."""
+    model = tiny_gpt2()
+    plugin = ZeroOffloadPlugin(compute_dtype="fp32", delayed_update=delayed,
+                               delayed_update_warmup_steps=1, bucket_size_mb=0.05)
+    opt = ZeroOffloadOptimizer(model.parameters(), lr=1e-3, model=model, plugin=plugin)
+    assert opt.memory_report()["host"]["grad_accumulation"] == 0
+    before = opt.memory_report(accumulates=True)
+    sets = 2 if delayed else 1
+    assert before["accumulation"] == "an fp32 sum of each bucket shard" + (
+        ", for each of the delayed update's 2 sets of grad buffers" if delayed else "") \
+        + f": {human(4 * before['n_params'] * sets)}"
+    ids = torch.randint(97, (1, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):  # the delayed update's second set is first used at step 3
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    after = opt.memory_report()
+    n = after["n_params"]
+    assert after["host"]["grad_accumulation"] == before["host"]["grad_accumulation"] \
+        == 4 * n * sets  # one process: no padding
+    est = estimate(n, compute_dtype="fp32", grad_accumulation=True, delayed_update=delayed,
+                   bucket_size_mb=0.05, pinned=opt.host_pool.pin)
+    assert est["host"] == after["host"]
 
 
 class TestBadInput:

@@ -70,6 +70,24 @@ def test_too_little_memory_is_one_error_naming_bytes_and_what_fits():
     assert sum(need.values()) <= 110_000_000
 
 
+def test_a_passing_check_logs_one_line_with_its_figures(caplog):
+    lay = _layouts(align=256)
+    caplog.set_level("INFO", logger="hf_zoffload.offload.memory")
+    check_host_memory(lay, param_dtype=torch.bfloat16, plugin=_plugin("fp32"), pinned=False,
+                      world=1, available=(200_000_000, "MemAvailable 190.73 MiB"))
+    check_host_memory(lay, param_dtype=torch.bfloat16, plugin=_plugin("fp32", limit=GIB),
+                      pinned=False, world=1, available=(100 * GIB, "MemAvailable 100.00 GiB"))
+    check_host_memory(lay, param_dtype=torch.bfloat16, plugin=_plugin("fp32"), pinned=False,
+                      world=1, available=(None, "no /proc/meminfo or cgroup limit to read"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "ZeRO-Offload host memory check passed: 133.54 MiB needed on this rank, 190.73 MiB "
+        "available (MemAvailable 190.73 MiB), no host_memory_limit set",
+        "ZeRO-Offload host memory check passed: 133.54 MiB needed on this rank, 100.00 GiB "
+        "available (MemAvailable 100.00 GiB), limit host_memory_limit=1.00 GiB",
+        "ZeRO-Offload host memory check skipped: 133.54 MiB needed on this rank, unknown "
+        "available (no /proc/meminfo or cgroup limit to read), no host_memory_limit set"]
+
+
 def test_engine_refuses_before_touching_the_params():
     from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 

@@ -150,6 +150,17 @@ def test_memory_report_per_rank_is_half(two, one):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["fp32", "bf16", "dpu"])
+def test_accumulation_buffers_are_what_the_report_counts_ahead(two, run):
+    # the unreduced whole buckets and their fp32 sum; bf16 also an fp32 landing per shard
+    for r in two[run]:
+        kinds = {k[0] for k in r["acc_need"]}
+        assert kinds == ({"unreduced16", "unreduced32", "grad32"} if run == "bf16"
+                         else {"unreduced16", "unreduced32"}), kinds
+        assert {k: r["held"][k] for k in r["acc_need"]} == r["acc_need"]
+
+
+@pytest.mark.slow
 def test_overflow_on_one_rank_skips_on_all_and_rank0_params_win(two):
     r0, r1 = two["overflow"]
     for a, b in zip(r0["start"], r1["start"]):
