@@ -272,6 +272,7 @@ class ZeroOffloadTrainer(Trainer):
             completeness.write_marker(folder, model_only=self.args.save_only_model)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._attempts = 0  # of `_inner_training_loop` in this call (auto_find_batch_size)
         if self.zero_offload and resume_from_checkpoint is True:
             resume_from_checkpoint = self._newest_complete_checkpoint()
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -396,10 +397,6 @@ class ZeroOffloadTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     # ------------------------------------------------- auto_find_batch_size, the best model
-    def train(self, *args, **kwargs):
-        self._attempts = 0  # of `_inner_training_loop` in this call
-        return super().train(*args, **kwargs)
-
     def _inner_training_loop(self, batch_size=None, *args, **kwargs):
         # A second attempt in one train() is auto_find_batch_size's retry with a smaller batch
         # after an out-of-memory error, which may have come in the middle of a backward or a
