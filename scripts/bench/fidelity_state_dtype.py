@@ -6,7 +6,9 @@ Each run is `scripts/quickstart.sh` (its venv setup skipped) with ``--zero_offlo
 and the loss logged every ``--every`` steps. Prints a markdown table of the losses and the
 final loss of each mode relative to fp32; exits 1 when bf16 is off by more than
 ``--bf16_tolerance`` or int8 by more than ``--int8_tolerance`` (relative, final logged loss).
-Usage: python scripts/bench/fidelity_state_dtype.py [--max_steps 300] [--every 50]
+With ``--jobs N`` the runs go N at a time, each on its share of the cores (torch's threads and
+the engine's host threads).
+Usage: python scripts/bench/fidelity_state_dtype.py [--max_steps 300] [--every 50] [--jobs 3]
 """
 
 from __future__ import annotations
@@ -17,18 +19,28 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("fp32", "bf16", "int8")
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def losses(mode: str, args, out_dir: str) -> list[float]:
     env = dict(os.environ, QUICKSTART_SKIP_SETUP="1", PYTHON=sys.executable,
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    share = []
+    if args.jobs > 1:  # runs side by side: each on its share, none oversubscribing the cores
+        threads = max(1, cores() // args.jobs)
+        env["OMP_NUM_THREADS"] = str(threads)
+        share = ["--zero_offload_cpu_threads", str(threads)]
     cmd = ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--zero_offload_state_dtype", mode,
            "--max_steps", str(args.max_steps), "--logging_steps", str(args.every),
-           "--do_eval", "false", "--output_dir", out_dir, *args.extra]
+           "--do_eval", "false", "--output_dir", out_dir, *share, *args.extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -51,14 +63,18 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16_tolerance", type=float, default=0.01)
     ap.add_argument("--int8_tolerance", type=float, default=0.02)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time, each with cores / jobs threads (at least 1)")
     ap.add_argument("extra", nargs="*", help="more run_clm.py arguments (after --)")
     args = ap.parse_args(argv)
     if args.every < 1 or args.max_steps < args.every:
         ap.error("--every must be >= 1 and <= --max_steps")
-    curves = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            curves[mode] = losses(mode, args, str(Path(tmp) / mode))
+    if not 1 <= args.jobs <= len(MODES):
+        ap.error(f"--jobs must be between 1 and {len(MODES)} (one run per mode), "
+                 f"got {args.jobs}")
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        runs = {mode: pool.submit(losses, mode, args, str(Path(tmp) / mode)) for mode in MODES}
+        curves = {mode: run.result() for mode, run in runs.items()}
     print("| step | " + " | ".join(f"loss, {m} state" for m in MODES) + " |")
     print("|---:|" + "---:|" * len(MODES))
     for i in range(len(curves["fp32"])):

@@ -6,10 +6,10 @@ as a run that was never interrupted: fp32 and bf16, with and without the delayed
 checkpoint whose save was cut short must be refused with one clear error, never resumed from;
 ``--resume_from_checkpoint true`` resumes from the newest complete one, with a warning.
 
-Every run_clm process spends ~11 s of its ~15 s importing torch and transformers, so the 13
-processes start in two rounds (the reference and killed runs, then the resumes and the broken
-checkpoint) instead of one after another: both rounds took 100 s on 2 busy cores (~190 s of
-CPU), against ~195 s in a row.
+Every run_clm process spent ~11 s of its ~15 s importing torch and transformers, so the 13
+runs are forked from one server that imported run_clm once (tests/_preloaded.py: each is
+still its own process, killed alone by SIGKILL, with its own exit status), in two rounds: the
+reference and killed runs, then the resumes and the broken checkpoint.
 """
 
 import functools
@@ -20,8 +20,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from hf_zoffload.integrations import completeness
 from hf_zoffload.integrations.completeness import why_incomplete, write_marker
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
+from tests._preloaded import Preloaded, Run
 from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
 from tests.acceptance.test_run_clm import ROOT, offline_env
 
@@ -60,7 +59,7 @@ def _kill_step(name: str) -> int:
 def _argv(tok: Path, out: Path, extra) -> list[str]:
     # The built-in corpus and default GPT-2 (dropout on: the RNG state must resume too),
     # shrunk to 1 layer of width 32 on 32-token blocks; accumulation 2 for a real window.
-    return [sys.executable, str(ROOT / "scripts" / "run_clm.py"), "--zero_offload",
+    return ["--zero_offload",
             "--do_train", "--tokenizer_name", str(tok), "--corpus_mb", "0.05",
             "--config_overrides", "n_layer=1,n_embd=32,n_head=2", "--block_size", "32",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
@@ -78,23 +77,22 @@ def _env() -> dict:
     return env
 
 
-def _start(argv, log: Path) -> subprocess.Popen:
-    with open(log, "w") as f:  # the child holds its own copy of the descriptor
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_env())
+# What a run imports after run_clm's own imports (the tokenizer, the GPT-2 class, datasets).
+PRELOAD = "import datasets; from transformers import AutoTokenizer, GPT2LMHeadModel"
 
 
-def _kill_at(proc: subprocess.Popen, step: int, log: Path, result: dict) -> None:
-    """SIGKILL ``proc`` when its ``step``-th per-step log line appears (logging_steps=1);
-    record how many steps it logged in all."""
+def _kill_at(run: Run, fifo: Path, step: int, log: Path, result: dict) -> None:
+    """SIGKILL ``run`` when its ``step``-th per-step log line appears on ``fifo`` (its
+    output; logging_steps=1); record how many steps it logged in all."""
     seen = 0
-    with open(log, "w") as f:
-        for line in proc.stdout:
+    with open(fifo) as lines, open(log, "w") as f:
+        for line in lines:
             f.write(line)
             if line.startswith("{'loss'"):
                 seen += 1
                 if seen == step:
-                    proc.send_signal(signal.SIGKILL)
-    result.update(rc=proc.wait(), logged=seen)
+                    run.kill()
+    result.update(rc=run.wait(timeout=600), logged=seen)
 
 
 def _history(out: Path) -> dict[int, dict]:
@@ -114,48 +112,53 @@ def runs(tmp_path_factory):
     tok = base / "tok"  # built once: every run must see the same token ids
     train_tokenizer(stdlib_corpus(max_mb=0.05), vocab_size=300).save_pretrained(tok)
     res = {name: {"kill_at": _kill_step(name), "killed": {}} for name in COMBOS}
-    procs, killers = [], []
-    for name, extra in COMBOS.items():
-        r = res[name]
-        r["ref"], r["out"] = base / f"ref-{name}", base / f"run-{name}"
-        procs.append((r, "ref_rc", _start(_argv(tok, r["ref"], extra), base / f"ref-{name}.log")))
-        killed = subprocess.Popen(_argv(tok, r["out"], extra), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=_env())
-        killers.append(threading.Thread(target=_kill_at, args=(
-            killed, r["kill_at"], base / f"killed-{name}.log", r["killed"])))
-        killers[-1].start()
-    for r, key, p in procs:
-        r[key] = p.wait(timeout=600)
-    for t in killers:
-        t.join(timeout=600)
+    with Preloaded(ROOT / "scripts" / "run_clm.py", _env(), PRELOAD) as server:
+        procs, killers = [], []
+        for name, extra in COMBOS.items():
+            r = res[name]
+            r["ref"], r["out"] = base / f"ref-{name}", base / f"run-{name}"
+            procs.append((r, "ref_rc", server.start(_argv(tok, r["ref"], extra),
+                                                    out=base / f"ref-{name}.log", cwd=base)))
+            fifo = base / f"killed-{name}.fifo"
+            os.mkfifo(fifo)
+            killed = server.start(_argv(tok, r["out"], extra), out=fifo, cwd=base)
+            killers.append(threading.Thread(target=_kill_at, args=(
+                killed, fifo, r["kill_at"], base / f"killed-{name}.log", r["killed"])))
+            killers[-1].start()
+        for r, key, p in procs:
+            r[key] = p.wait(timeout=600)
+        for t in killers:
+            t.join(timeout=600)
 
-    # Round two: every resume, and one from a checkpoint cut short as a SIGKILL in the middle
-    # of its optimizer.pt leaves it (the Trainer writes model, optimizer, scheduler, RNG,
-    # trainer_state.json, then our marker): that file half written, the later ones absent.
-    procs = []
-    for name, extra in COMBOS.items():
-        r = res[name]
-        r["ckpt"] = get_last_checkpoint(r["out"]) if r["out"].is_dir() else None
-        if r["ckpt"]:
-            # "true" (the newest complete checkpoint in --output_dir) for one combination,
-            # the path for the others: both spellings of run_clm's option
-            where = "true" if name == "fp32" else r["ckpt"]
-            procs.append((r, "resume_rc", _start(
-                _argv(tok, r["out"], [*extra, "--resume_from_checkpoint", where]),
-                base / f"resume-{name}.log")))
-    broken = base / "broken"
-    shutil.copytree(res["fp32"]["ref"], broken)
-    cut = broken / f"checkpoint-{STEPS}"
-    opt = cut / "optimizer.pt"
-    os.truncate(opt, opt.stat().st_size // 2)
-    for name in ("scheduler.pt", "rng_state.pth", "trainer_state.json", MARKER):
-        (cut / name).unlink()
-    res["broken"] = {"dir": broken, "listing": sorted(os.listdir(broken)),
-                     "log": base / "broken.log"}
-    procs.append((res["broken"], "rc", _start(
-        _argv(tok, broken, ["--resume_from_checkpoint", str(cut)]), res["broken"]["log"])))
-    for r, key, p in procs:
-        r[key] = p.wait(timeout=600)
+        # Round two: every resume, and one from a checkpoint cut short as a SIGKILL in the
+        # middle of its optimizer.pt leaves it (the Trainer writes model, optimizer,
+        # scheduler, RNG, trainer_state.json, then our marker): that file half written, the
+        # later ones absent.
+        procs = []
+        for name, extra in COMBOS.items():
+            r = res[name]
+            r["ckpt"] = get_last_checkpoint(r["out"]) if r["out"].is_dir() else None
+            if r["ckpt"]:
+                # "true" (the newest complete checkpoint in --output_dir) for one combination,
+                # the path for the others: both spellings of run_clm's option
+                where = "true" if name == "fp32" else r["ckpt"]
+                procs.append((r, "resume_rc", server.start(
+                    _argv(tok, r["out"], [*extra, "--resume_from_checkpoint", where]),
+                    out=base / f"resume-{name}.log", cwd=base)))
+        broken = base / "broken"
+        shutil.copytree(res["fp32"]["ref"], broken)
+        cut = broken / f"checkpoint-{STEPS}"
+        opt = cut / "optimizer.pt"
+        os.truncate(opt, opt.stat().st_size // 2)
+        for name in ("scheduler.pt", "rng_state.pth", "trainer_state.json", MARKER):
+            (cut / name).unlink()
+        res["broken"] = {"dir": broken, "listing": sorted(os.listdir(broken)),
+                         "log": base / "broken.log"}
+        procs.append((res["broken"], "rc", server.start(
+            _argv(tok, broken, ["--resume_from_checkpoint", str(cut)]), out=res["broken"]["log"],
+            cwd=base)))
+        for r, key, p in procs:
+            r[key] = p.wait(timeout=600)
     res["base"] = base
     return res
 

@@ -314,15 +314,28 @@ def _same_run(one, two):
     assert 0.45 * host1 < host2 < (0.55 if shards_embedding else 0.6) * host1
 
 
-@pytest.mark.slow
-def test_tp_size_from_a_config_equals_one_process(tmp_path):
-    """--model_type llama --tp_size 2 under torchrun: every rank builds the same weights,
-    the Trainer shards them; losses, norms and eval loss are one process's."""
+@pytest.fixture(scope="module")
+def from_config(tmp_path_factory):
+    """--model_type llama: one process, and --tp_size 2 under torchrun without --use_cpu
+    (run_clm adds it on CPUs; the torchrun run of test_tp_size_from_pretrained_equals_one_process
+    gives it): (their log entries, host MiB, eval results) and the torchrun run's output."""
+    tmp_path = tmp_path_factory.mktemp("from_config")
     _tp_data(tmp_path)
     argv = ["--model_type", "llama", "--config_overrides", LLAMA, "--tokenizer_name",
             str(tmp_path / "tok")]
-    _same_run(_clm(tmp_path, "one", argv), _clm(tmp_path, "two", [*argv, "--tp_size", "2"],
-                                                ranks=2))
+    output = []
+    one = _clm(tmp_path, "one", argv)
+    two = _clm(tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2, use_cpu=False,
+               output=output)
+    return one, two, output[0]
+
+
+@pytest.mark.slow
+def test_tp_size_from_a_config_equals_one_process(from_config):
+    """--model_type llama --tp_size 2 under torchrun: every rank builds the same weights,
+    the Trainer shards them; losses, norms and eval loss are one process's."""
+    one, two, _ = from_config
+    _same_run(one, two)
 
 
 @pytest.mark.slow
@@ -351,14 +364,11 @@ def test_tp_size_from_pretrained_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_without_use_cpu_is_two_ranks(tmp_path):
+def test_torchrun_without_use_cpu_is_two_ranks(from_config):
     """Issue 24: docs/tensor_parallel.md's command without --use_cpu on CPUs: it failed with
     '--tp_size 2 does not divide the 1 launched processes'; now run_clm adds --use_cpu, says
-    so once (rank 0), and the two ranks shard the model as with it."""
-    _tp_data(tmp_path)
-    argv = ["--model_type", "llama", "--config_overrides", LLAMA, "--tokenizer_name",
-            str(tmp_path / "tok"), "--tp_size", "2"]
-    output = []
-    logs, _, evals = _clm(tmp_path, "two", argv, ranks=2, use_cpu=False, output=output)
-    assert output[0].count("2 launched processes and no GPU: added --use_cpu") == 1, output[0]
+    so once (rank 0), and the two ranks shard the model as with it (the run that
+    test_tp_size_from_a_config_equals_one_process compares with one process)."""
+    _, (logs, _, evals), output = from_config
+    assert output.count("2 launched processes and no GPU: added --use_cpu") == 1, output
     assert len(logs) == 4 and evals["eval_loss"] > 0
