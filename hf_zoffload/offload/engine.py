@@ -35,6 +35,7 @@ from ..optim.loss_scaler import DynamicLossScaler
 from .checkpoint import load_state_dict, master_state_dict, state_dict
 from .copier import make_copier
 from .delayed import DelayedUpdate
+from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
@@ -44,7 +45,6 @@ from .progress import Progress
 from .reorder import BucketOrder, relayout
 from .state import Bucket, SlotPlace, place
 from .support import check_clip_args, local_grad
-from .tensor_parallel import make_exchange
 from .threads import bind_local_rank, cpu_threads, host_threads
 from .update import Work, plan, run
 
@@ -128,8 +128,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         pin = self.device.type == "cuda" and plugin.pin_memory
         self.copier = make_copier(self.device, pin=pin, threads=self.cpu_threads)
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
-        self.exchange = make_exchange(process_group, slots=slots, device=self.device,
-                                      copier=self.copier, dtype=self.dtype,
+        self.exchange = make_exchange(process_group, slots=slots, model=model,
+                                      device=self.device, copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
         # Buckets fill in reverse param order until the first backward shows the real
         # order (reorder.py).
@@ -144,7 +144,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.module_waits = ModuleWaits(self.copier) \
             if model is not None and self.copier.forwards_wait() else None
         pool = HostPool(layouts, pin=pin)
-        self._install(pool, self._place(layouts, pool, needed))
+        buckets = self._place(layouts, pool, needed)
+        self.exchange.placed()  # FSDP2 re-reads the params' new local tensors (fsdp2.py)
+        self._install(pool, buckets)
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
         self.n_frozen = sum(p.numel() for g in self.param_groups for p in g["params"]
