@@ -79,7 +79,7 @@ def build(world: int, *, plugin: dict | None = None, lr: float = LR, **shard_kw)
 
 def full_params(model) -> list[torch.Tensor]:
     """Every param whole, fp32 (an all-gather per param: every rank calls it)."""
-    return [p.full_tensor().float().clone() for p in model.parameters()]
+    return [p.full_tensor().detach().float().clone() for p in model.parameters()]
 
 
 class Moved:
@@ -114,11 +114,21 @@ class Moved:
 
 def train(rank: int, world: int, *, plugin: dict | None = None, start: int = 0,
           stop: int = STEPS, load: str | None = None, save_at: int | None = None,
-          save: str | None = None) -> dict:
+          save: str | None = None, no_sync: bool = False, fsdp: bool = True,
+          flush: bool = False) -> dict:
     """Steps [start, stop): ACCUM micro-steps each, this rank's rows of every batch, the
-    norm clipped to MAX_NORM. Returns each step's whole params and norm, the memory
-    report, and the bytes FSDP2 moved in step ``start + 1``."""
-    model, opt = build(world, plugin=plugin)
+    norm clipped to MAX_NORM. ``no_sync``: FSDP2 reduces only the last micro-step's
+    backward (``set_requires_gradient_sync``); ``fsdp=False``: the engine on the plain net
+    (one rank); ``flush``: land a delayed update before the params are read. Returns each
+    step's whole params (as the next forward sees them) and norm, the memory report, and the bytes
+    FSDP2 moved in step ``start + 1``."""
+    if fsdp:
+        model, opt = build(world, plugin=plugin)
+    else:
+        model = Net()
+        opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, model=model,
+                                   plugin=ZeroOffloadPlugin(bucket_size_mb=0.01,
+                                                            **(plugin or {})))
     if load is not None:
         opt.load_state_dict(torch.load(load, weights_only=True))
     data, k = batches(stop), ROWS // world
@@ -127,20 +137,25 @@ def train(rank: int, world: int, *, plugin: dict | None = None, start: int = 0,
         for step in range(start, stop):
             moved.on = step == start + 1
             for micro in range(ACCUM):
+                if no_sync:
+                    model.set_requires_gradient_sync(micro == ACCUM - 1)
                 ids = data[step * ACCUM + micro][rank * k:(rank + 1) * k]
                 opt.backward(model(ids) / ACCUM)
             norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
             opt.step()
             opt.zero_grad()
             moved.on = False
-            params.append(full_params(model))
+            if flush:
+                opt.flush()
+            params.append(full_params(model) if fsdp else
+                          [p.detach().float().clone() for p in model.parameters()])
             if save_at is not None and step + 1 == save_at:
                 sd = opt.state_dict()  # a collective: the whole state on rank 0
                 if rank == 0:
                     torch.save(sd, save)
     finally:
         moved.close()
-    local = sum(p.to_local().numel() for p in model.parameters())
+    local = sum(p.to_local().numel() if fsdp else p.numel() for p in model.parameters())
     return {"params": params, "norms": norms, "report": opt.memory_report(), "local": local,
             "up": moved.up, "down": moved.down,
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
