@@ -22,21 +22,32 @@ class Block(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(DIM)
         self.up = torch.nn.Linear(DIM, HID)
         self.down = torch.nn.Linear(HID, DIM)
+        self.reentrant: bool | None = None  # activation checkpointing: None off
+
+    def _inner(self, h):
+        return self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
 
     def forward(self, h):
-        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+        if self.reentrant is None:
+            return h + self._inner(h)
+        return h + torch.utils.checkpoint.checkpoint(self._inner, h,
+                                                     use_reentrant=self.reentrant)
 
 
 class Net(torch.nn.Module):
     """Embedding at the root (the root's own FSDP2 group), two blocks and a head each their
-    own group."""
+    own group; ``tied``: the head's weight is the embedding's, and the head stays in the
+    root's group (FSDP2 refuses a param shared by two groups)."""
 
-    def __init__(self):
+    def __init__(self, tied: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(VOCAB, DIM)
         self.blocks = torch.nn.ModuleList([Block(), Block()])
         self.head = torch.nn.Linear(DIM, VOCAB)
+        self.tied = tied
+        if tied:
+            self.head.weight = self.emb.weight
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -64,14 +75,15 @@ def shard(model, world: int, *, offload: bool = True, mp: MixedPrecisionPolicy |
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if mp is not None:
         kw["mp_policy"] = mp
-    for m in [*model.blocks, model.head]:
+    for m in [*model.blocks, *([] if model.tied else [model.head])]:
         fully_shard(m, **kw)
     fully_shard(model, **kw)
     return model
 
 
-def build(world: int, *, plugin: dict | None = None, lr: float = LR, **shard_kw):
-    model = shard(Net(), world, **shard_kw)
+def build(world: int, *, plugin: dict | None = None, lr: float = LR, tied: bool = False,
+          **shard_kw):
+    model = shard(Net(tied), world, **shard_kw)
     opt = ZeroOffloadOptimizer(decay_groups(model), lr=lr, model=model,
                                plugin=ZeroOffloadPlugin(bucket_size_mb=0.01, **(plugin or {})))
     return model, opt
@@ -115,20 +127,24 @@ class Moved:
 def train(rank: int, world: int, *, plugin: dict | None = None, start: int = 0,
           stop: int = STEPS, load: str | None = None, save_at: int | None = None,
           save: str | None = None, no_sync: bool = False, fsdp: bool = True,
-          flush: bool = False) -> dict:
+          flush: bool = False, reentrant: bool | None = None, tied: bool = False) -> dict:
     """Steps [start, stop): ACCUM micro-steps each, this rank's rows of every batch, the
     norm clipped to MAX_NORM. ``no_sync``: FSDP2 reduces only the last micro-step's
     backward (``set_requires_gradient_sync``); ``fsdp=False``: the engine on the plain net
-    (one rank); ``flush``: land a delayed update before the params are read. Returns each
+    (one rank); ``flush``: land a delayed update before the params are read; ``reentrant``:
+    each block's activations checkpointed (reentrant or not; None: off); ``tied``: the
+    net with its head tied to the embedding. Returns each
     step's whole params (as the next forward sees them) and norm, the memory report, and the bytes
     FSDP2 moved in step ``start + 1``."""
     if fsdp:
-        model, opt = build(world, plugin=plugin)
+        model, opt = build(world, plugin=plugin, tied=tied)
     else:
-        model = Net()
+        model = Net(tied)
         opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, model=model,
                                    plugin=ZeroOffloadPlugin(bucket_size_mb=0.01,
                                                             **(plugin or {})))
+    for b in model.blocks:
+        b.reentrant = reentrant
     if load is not None:
         opt.load_state_dict(torch.load(load, weights_only=True))
     data, k = batches(stop), ROWS // world

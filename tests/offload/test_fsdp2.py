@@ -26,9 +26,9 @@ FP32, BF16 = {"compute_dtype": "fp32"}, {"compute_dtype": "bf16"}
 RUNS = "tests.offload._fsdp2_worker:runs"
 
 
-def reference(steps: int = w.STEPS):
+def reference(steps: int = w.STEPS, *, tied: bool = False):
     """torch.optim.AdamW on the unsharded net, full batches: each step's params and norm."""
-    model = w.Net()
+    model = w.Net(tied)
     opt = torch.optim.AdamW(w.decay_groups(model), lr=w.LR)
     data, params, norms = w.batches(steps), [], []
     for step in range(steps):
@@ -116,6 +116,25 @@ def test_one_rank_fsdp2_reducing_only_at_the_boundary_equals_torch_adamw(torch_o
         got = w.train(0, 1, plugin=FP32, stop=3, no_sync=True)
     _close_every_step(got, reference(3))
     assert got["report"]["host"]["grad_accumulation"] == 0  # one landed backward a step
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_one_rank_activation_checkpointing_equals_torch_adamw(reentrant, torch_one_thread):
+    """Each block's activations recomputed in backward (FSDP2 gathers its params again
+    there); reentrant checkpointing runs a nested backward per block, and the engine's
+    backward still ends once."""
+    with one_rank():
+        got = w.train(0, 1, plugin=FP32, stop=3, reentrant=reentrant)
+    _close_every_step(got, reference(3))
+
+
+def test_one_rank_tied_weights_equal_torch_adamw(torch_one_thread):
+    """The head's weight is the embedding's, both in the root's FSDP2 group: one sharded
+    param to FSDP2 and to the engine, its gradient the sum of both uses."""
+    with one_rank():
+        got = w.train(0, 1, plugin=FP32, stop=3, tied=True)
+    assert len(got["params"][0]) == len(list(w.Net().parameters())) - 1
+    _close_every_step(got, reference(3, tied=True))
 
 
 def test_one_rank_delayed_update_equals_the_engine_without_fsdp2(torch_one_thread):
