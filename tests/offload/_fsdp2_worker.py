@@ -69,8 +69,12 @@ def decay_groups(model):
             {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def shard(model, world: int, *, offload: bool = True, mp: MixedPrecisionPolicy | None = None):
-    kw = {"mesh": init_device_mesh("cpu", (world,))}
+def shard(model, world: int, *, offload: bool = True, mp: MixedPrecisionPolicy | None = None,
+          hsdp: bool = False):
+    """``fully_shard`` each block, the head (unless tied) and the root over ``world`` ranks
+    (``hsdp``: a 1 x world mesh, replicated over its first dim)."""
+    kw = {"mesh": init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+          if hsdp else init_device_mesh("cpu", (world,))}
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if mp is not None:

@@ -221,6 +221,10 @@ def test_refuses_a_mixed_precision_param_dtype_other_than_compute(torch_one_thre
              mp=MixedPrecisionPolicy(param_dtype=torch.float16))
 
 
+def test_refuses_hsdp(torch_one_thread):
+    _refused(r"FSDP2 on a 2-D mesh \(HSDP\)", hsdp=True)
+
+
 def test_refuses_after_the_first_forward(torch_one_thread):
     with one_rank():
         model = w.shard(w.Net(), 1)
