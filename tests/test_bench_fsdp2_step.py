@@ -21,7 +21,8 @@ def test_prints_every_row_with_its_ratios(capsys):
     assert "5,280 params in 5 Linear(32, 32) layers, 1 rounds" in out
     table = {r[0]: r[1:] for r in ([c.strip() for c in line.strip("|").split("|")]
                                    for line in out.splitlines() if line.startswith("| "))}
-    assert list(table)[1:] == ["torch AdamW(foreach) fp32", "torch AdamW(fused) fp32",
+    assert list(table)[1:] == ["torch AdamW(default) fp32", "torch AdamW(foreach) fp32",
+                               "torch AdamW(fused) fp32",
                                "ours fp32 state, bf16 grads", "ours bf16 state, bf16 grads",
                                "ours int8 state, bf16 grads"]
     assert table["torch AdamW(foreach) fp32"][1] == "1.00"

@@ -6,9 +6,11 @@ each its own ``fully_shard`` group with ``CPUOffloadPolicy``, so every sharded p
 gradient live on the host, as FSDP2 leaves them. Rows, each timing one optimizer step over
 the same shapes of sharded host params:
 
-  torch AdamW(foreach)  FSDP2's usual setup: an fp32 model, MixedPrecisionPolicy(param_dtype=
+  torch AdamW(default)  FSDP2's usual setup: an fp32 model, MixedPrecisionPolicy(param_dtype=
                         bf16), so the host holds fp32 shards and fp32 gradients; the step
-                        reads 4 + 4 + 8 and writes 4 + 8 B/param, in several foreach passes
+                        reads 4 + 4 + 8 and writes 4 + 8 B/param; torch's default for CPU
+                        params, one param after another (foreach kernels are for GPUs)
+  torch AdamW(foreach)  the same, in several foreach passes over all params
   torch AdamW(fused)    the same params and grads, torch's one-pass fused CPU kernel (28 B)
   ours <state_dtype>    ZeroOffloadOptimizer on a bf16-sharded model (fsdp2.Fsdp2Exchange):
                         16-bit grads in, fp32 master, moments in fp32 (28 B moved), bf16
@@ -19,8 +21,9 @@ first (untimed: the engine takes each window's grads once) and times ``step()``,
 reads the window's overflow flag and norm. Rows are timed in rounds
 (scripts/bench/_interleave.py): each round times every row once, the order rotating; ms is a
 row's median over rounds and each ratio the median over rounds of the reference's ms over the
-row's (above 1: the row is faster). Each row has its own params: about 16 B/param for each
-torch row's model, 20 / 16 / 14 B/param for ours.
+row's (above 1: the row is faster). Host memory: the torch rows share one model (fp32 params
+and grads, 8 B/param) and each keeps its moments (8 B/param); each of ours has its own model
+and state, 16 / 12 / about 10 B/param.
 
 Usage: python scripts/bench/bench_fsdp2_step.py [--params 100M] [--dim 2048] [--rounds 5]
        [--state_dtypes fp32,bf16,int8] [--threads 2]
@@ -54,7 +57,8 @@ from hf_zoffload.commands.env import cpu_name  # noqa: E402
 from hf_zoffload.ops.moments import FORMATS  # noqa: E402
 from hf_zoffload.units import parse_quantity  # noqa: E402
 
-FOREACH, FUSED = "torch AdamW(foreach) fp32", "torch AdamW(fused) fp32"
+DEFAULT, FOREACH, FUSED = ("torch AdamW(default) fp32", "torch AdamW(foreach) fp32",
+                           "torch AdamW(fused) fp32")
 COUNTS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -84,8 +88,8 @@ def rows(n_params: int, dim: int, state_dtypes: list[str], threads: int):
         param_dtype=torch.bfloat16))
     backward(ref, dim, torch.bfloat16)  # fp32 grads on the host, kept for every step
     n = sum(p.numel() for p in ref.parameters())
-    for name, fused in ((FOREACH, False), (FUSED, True)):
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=not fused, fused=fused)
+    for name, kw in ((DEFAULT, {}), (FOREACH, {"foreach": True}), (FUSED, {"fused": True})):
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, **kw)
         out.append((name, opt.step))
     for sd in state_dtypes:
         model = stack(n_params, dim, dtype=torch.float32)
