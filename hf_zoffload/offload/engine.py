@@ -8,7 +8,8 @@ or on the CPU straight into each param's storage.
 
 Per backward, each gradient goes into its bucket's flat buffer and a complete bucket to the
 exchange (exchange.py: one process, partitioned.py: data parallel, tensor_parallel.py:
-DTensor shards), which checks it and lands it on the host through the copier (copier.py).
+DTensor shards, fsdp2.py: FSDP2's sharded host params), which checks it and lands it on the
+host through the copier (copier.py).
 See docs/design.md, "Data flow" and "Accumulation window".
 
 The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
@@ -98,6 +99,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     ``consolidate_state_dict()`` on every rank where only one rank saves); ``load_state_dict``
     takes a state saved with any number of ranks. A collective whose peer died raises,
     naming this rank and the collective (docs/design.md, "Data-parallel protocol").
+
+    FSDP2 parameter offload (``model`` holds ``fully_shard`` modules with
+    ``CPUOffloadPolicy``, the root one included): FSDP2 moves the params and reduces the
+    grads; the engine keeps the fp32 state of this rank's shards and writes the new values
+    into FSDP2's sharded host params, which become the compute-dtype copy. Build it after
+    ``fully_shard`` and before the first forward (docs/design.md, "FSDP2 parameter offload").
     """
 
     fused_loss_scaling = True  # the scaler protocol: we unscale and check inside step()
