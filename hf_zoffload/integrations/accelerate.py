@@ -45,6 +45,7 @@ from accelerate.utils import DistributedType
 
 from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
+from ..offload.fsdp2 import fsdp2_states
 from . import core, parallel
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
@@ -230,13 +231,15 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
             sharded.update(parallel.setup(accelerator, m))
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
-                if not accelerator.verify_device_map(m):
+                # FSDP2 with CPU offload keeps its sharded params on the host and moves them
+                # itself (offload/fsdp2.py)
+                if not accelerator.verify_device_map(m) and not fsdp2_states(m):
                     m.to(accelerator.device)
         engine = _engine_from_adam(old, plugin, models=models, sharded=sharded,
                                    process_group=parallel.data_parallel_group(accelerator))
         _repoint_schedulers(objects, old, engine)
     _check_dtype(accelerator, engine.plugin)
-    if accelerator.device_placement:
+    if accelerator.device_placement and not engine.exchange.params_on_host:
         wrong = {str(p.device) for p in core.engine_params(engine)
                  if not _same_device(p.device, accelerator.device)}
         if wrong:

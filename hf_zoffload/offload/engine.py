@@ -8,7 +8,8 @@ or on the CPU straight into each param's storage.
 
 Per backward, each gradient goes into its bucket's flat buffer and a complete bucket to the
 exchange (exchange.py: one process, partitioned.py: data parallel, tensor_parallel.py:
-DTensor shards), which checks it and lands it on the host through the copier (copier.py).
+DTensor shards, fsdp2.py: FSDP2's sharded host params), which checks it and lands it on the
+host through the copier (copier.py).
 See docs/design.md, "Data flow" and "Accumulation window".
 
 The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
@@ -35,6 +36,7 @@ from ..optim.loss_scaler import DynamicLossScaler
 from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
 from .copier import make_copier
 from .delayed import DelayedUpdate
+from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
@@ -44,7 +46,6 @@ from .progress import Progress
 from .reorder import BucketOrder, relayout
 from .state import Bucket, SlotPlace, place
 from .support import check_clip_args, local, local_grad
-from .tensor_parallel import make_exchange
 from .threads import bind_local_rank, cpu_threads, host_threads
 from .update import Work, plan, run
 
@@ -100,6 +101,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     ``consolidate_state_dict()`` on every rank where only one rank saves); ``load_state_dict``
     takes a state saved with any number of ranks. A collective whose peer died raises,
     naming this rank and the collective (docs/design.md, "Data-parallel protocol").
+
+    FSDP2 parameter offload (``model`` holds ``fully_shard`` modules with
+    ``CPUOffloadPolicy``, the root one included): FSDP2 moves the params and reduces the
+    grads; the engine keeps the fp32 state of this rank's shards and writes the new values
+    into FSDP2's sharded host params, which become the compute-dtype copy. Build it after
+    ``fully_shard`` and before the first forward (docs/design.md, "FSDP2 parameter offload").
     """
 
     fused_loss_scaling = True  # the scaler protocol: we unscale and check inside step()
@@ -132,8 +139,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         pin = self.device.type == "cuda" and plugin.pin_memory
         self.copier = make_copier(self.device, pin=pin, threads=self.cpu_threads)
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
-        self.exchange = make_exchange(process_group, slots=slots, device=self.device,
-                                      copier=self.copier, dtype=self.dtype,
+        self.exchange = make_exchange(process_group, slots=slots, model=model,
+                                      device=self.device, copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
         # Buckets fill in reverse param order until the first backward shows the real
         # order (reorder.py).
@@ -148,7 +155,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.module_waits = ModuleWaits(self.copier) \
             if model is not None and self.copier.forwards_wait() else None
         pool = HostPool(layouts, pin=pin)
-        self._install(pool, self._place(layouts, pool, needed))
+        buckets = self._place(layouts, pool, needed)
+        self.exchange.placed()  # FSDP2 re-reads the params' new local tensors (fsdp2.py)
+        self._install(pool, buckets)
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
         # Frozen params beside the trained ones (a LoRA model's base, quantized or not), of

@@ -31,6 +31,7 @@ class Exchange(abc.ABC):
     rank = 0  # which shard of every bucket this rank holds (layout.py)
     world = 1  # how many shards every bucket is cut into
     spans_ranks = False  # the state is spread over ranks: checkpoints are collectives
+    params_on_host = False  # the params' 16-bit copy lives on the host (FSDP2's offload)
 
     copier: Copier  # the engine's, for every copy here
 
@@ -45,6 +46,11 @@ class Exchange(abc.ABC):
         """The values every rank starts ``layout``'s params from, flat fp32 (None: the
         params' own)."""
         return None
+
+    def placed(self) -> None:
+        """Every param has its new compute-dtype local tensor (`state.place`), before the
+        engine notes the params' storage: a layout that holds its own reference to the
+        params' storage re-reads it here."""
 
     # ------------------------------------------------------------ backward
     def begin_backward(self) -> None:
@@ -155,6 +161,7 @@ class ForwardingExchange(Exchange):
         self.inner = inner
         self.rank, self.world = inner.rank, inner.world
         self.spans_ranks = inner.spans_ranks
+        self.params_on_host = inner.params_on_host
 
     @property
     def copier(self):
@@ -166,6 +173,9 @@ class ForwardingExchange(Exchange):
 
     def initial_values(self, layout):
         return self.inner.initial_values(layout)
+
+    def placed(self) -> None:
+        self.inner.placed()
 
     def begin_backward(self) -> None:
         self.inner.begin_backward()

@@ -191,7 +191,8 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     full-bucket buffers of accumulation without a collective when that is used. On a
     CPU-only run the "device" is host memory too: the params and the full-bucket gradient
     buffers backward writes are counted under device, as on a GPU, so the host side
-    compares across machines."""
+    compares across machines. With FSDP2's parameter offload the trained params' sharded
+    16-bit copy is host memory on every machine: host ``params``."""
     host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
@@ -224,6 +225,9 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     frozen = frozen_bytes(opt.frozen)
     device = {"params": trained + sum(frozen.values()),
               "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
+    if opt.exchange.params_on_host:  # FSDP2's sharded 16-bit params: this rank's, on the
+        # host; what FSDP2 streams to the device is not the engine's to count
+        host["params"], device["params"] = trained, opt.n_frozen * w
     n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
     report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, frozen=frozen,
                          state_dtype=opt.plugin.state_dtype)

@@ -5,9 +5,9 @@ of torch tensor parallelism (DTensor: ``parallelize_module``, transformers' ``tp
 trained through their local shards (docs/design.md, "Tensor-parallel protocol"): `local` is
 the tensor the engine reads and writes, `set_local` gives a param a new local tensor. What
 cannot work is refused here, with the reason, before any state moves: FSDP's FlatParameter,
-FSDP2 (a DTensor sharded over a data-parallel mesh dim), Partial or strided placements,
-meshes of more than 2 dims, params on different meshes, and models wrapped in
-DistributedDataParallel.
+a DTensor sharded over the first dim of a 2-D mesh, Partial or strided placements, meshes of
+more than 2 dims, params on different meshes, and models wrapped in DistributedDataParallel.
+FSDP2's shards on a 1-D mesh pass here: fsdp2.py decides what of FSDP2 the engine trains.
 """
 
 from __future__ import annotations

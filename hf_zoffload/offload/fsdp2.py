@@ -1,0 +1,110 @@
+"""FSDP2 parameter offload (``fully_shard`` with ``CPUOffloadPolicy``) with our CPU step.
+
+FSDP2 moves the params: each forward and backward it copies a layer's sharded host params to
+the device and all-gathers them, and after backward it reduce-scatters the gradients and
+leaves each rank's sharded gradient on the host as the sharded param's ``.grad``, then calls
+the param's post-accumulate-grad hooks. The engine is the optimizer: its hook takes that
+gradient into the bucket's landing buffer (as with one process: the gradient is already
+reduced), the step's one all-reduce spans the shard ranks, and the CPU-Adam writes the new
+values in place into FSDP2's sharded host params, which FSDP2 brings up at the next forward.
+
+`Fsdp2Exchange` is the tensor-parallel exchange with FSDP2's shard ranks as its ranks (the
+shards are DTensor ``Shard(0)`` local tensors, so the norm, the checkpoints' whole tensors
+and a load's local part are the same protocol), plus what FSDP2 needs: after the engine gave
+each param its compute-dtype local tensor, FSDP2 re-reads it (as ``FSDPModule.to`` does), so
+that its sharded host param IS the engine's 16-bit copy and FSDP2 moves 16-bit both ways.
+`make_exchange` chooses it when ``model`` holds FSDP2 modules, and refuses, before anything
+changes, the FSDP2 layouts it cannot train. The measured facts behind this: docs/design.md,
+"FSDP2 parameter offload".
+
+FSDP2 keeps its per-param records (``FSDPParam``) in private attributes of its module state;
+they are read here only, in one place (`fsdp2_params`), for torch 2.13's layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from .exchange import LocalExchange
+from .tensor_parallel import TensorParallelExchange
+from .tensor_parallel import make_exchange as make_tp_exchange
+
+
+def fsdp2_states(model: torch.nn.Module | None) -> list:
+    """The FSDP2 states of ``model``'s ``fully_shard`` modules, outermost first."""
+    if model is None:
+        return []
+    return [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp2_params(states: list) -> dict:
+    """id(sharded param) -> its ``FSDPParam``, over ``states``' param groups."""
+    return {id(fp.sharded_param): fp for st in states for pg in st._fsdp_param_groups
+            for fp in pg.fsdp_params}
+
+
+class Fsdp2Exchange(TensorParallelExchange):
+    """The exchange for FSDP2's sharded host params (``fsdp_params``: their ``FSDPParam``s)
+    over ``mesh``, its 1-D shard mesh; the step's all-reduce runs on the mesh's device."""
+
+    def __init__(self, inner, *, mesh, fsdp_params: list):
+        super().__init__(inner, mesh=mesh, tp=mesh.size(), stats_group=mesh.get_group(),
+                         device=torch.device(mesh.device_type))
+        self.params_on_host = True  # FSDP2's sharded params are the host's 16-bit copy
+        self.fsdp_params = fsdp_params
+
+    def placed(self) -> None:
+        """FSDP2 re-reads each param's local tensor (`state.place` gave it a new one in the
+        compute dtype): its all-gather input, padded where the shard is short, which the
+        param's local tensor then views. FSDP2's lazy init, at the first forward, takes the
+        new dtype as the param's own, so it moves 16-bit params up and 16-bit gradients
+        down (`make_exchange` refused an FSDP2 that had run a forward already)."""
+        with torch.no_grad():
+            for fp in self.fsdp_params:
+                fp.reset_sharded_param()
+
+
+def _why_not(states, found, slots, *, process_group, dtype) -> str | None:
+    if any(st._is_root is not None for st in states):  # first: the root's params are
+        # unsharded after a forward, and model.parameters() gives those
+        return ("FSDP2 has run a forward already (its lazy init is done): build the "
+                "optimizer after fully_shard and before the first forward")
+    if process_group is not None:
+        return ("process_group= was given; with FSDP2 the shard mesh of fully_shard is the "
+                "group (pass none)")
+    for s in slots:
+        fp = found.get(id(s.param))
+        if fp is None:
+            return (f"param {s.index} is trainable but not sharded by fully_shard: apply "
+                    "fully_shard to the root module too, so that FSDP2 reduces every gradient")
+        if not fp.offload_to_cpu:
+            return ("FSDP2 without CPU offload (fully_shard(..., offload_policy="
+                    "CPUOffloadPolicy()) keeps the sharded params on the host, where the "
+                    "CPU-Adam writes them; without it use ZeRO-Offload without FSDP)")
+        if s.param.device_mesh.ndim != 1:
+            return "FSDP2 on a 2-D mesh (HSDP); only a 1-D shard mesh is supported"
+        want = fp.mp_policy.param_dtype
+        if want is not None and want != dtype:
+            return (f"FSDP2's MixedPrecisionPolicy(param_dtype={want}) differs from the "
+                    f"compute dtype {dtype}: leave param_dtype unset (the engine casts the "
+                    "sharded params to the compute dtype) or set it to the compute dtype")
+    return None
+
+
+def make_exchange(process_group, *, slots, model, device, copier, dtype, engine_sync):
+    """The engine's exchange: an `Fsdp2Exchange` when ``model`` holds ``fully_shard``
+    modules, else `tensor_parallel.make_exchange`. Refuses an FSDP2 layout it cannot train
+    (no CPU offload, HSDP, a trainable param FSDP2 does not shard, a forward already run, a
+    MixedPrecisionPolicy param dtype other than the compute dtype) before anything changes."""
+    states = fsdp2_states(model)
+    if not states:
+        return make_tp_exchange(process_group, slots=slots, device=device, copier=copier,
+                                dtype=dtype, engine_sync=engine_sync)
+    found = fsdp2_params(states)
+    why = _why_not(states, found, slots, process_group=process_group, dtype=dtype)
+    if why:
+        raise ValueError(f"ZeRO-Offload with FSDP2: {why}")
+    mesh = slots[0].param.device_mesh  # support.check_params: one mesh for every param
+    return Fsdp2Exchange(LocalExchange(copier), mesh=mesh,
+                         fsdp_params=[found[id(s.param)] for s in slots])
