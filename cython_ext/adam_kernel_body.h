@@ -121,6 +121,7 @@ static void HZ_FN(hz_math_any)(float *restrict p, float *restrict m, float *rest
 }
 
 #include "adam_q8_portable.h"
+#include "adam_q4_portable.h"
 
 /* Elements [lo, hi) in tiles: each tile of grads (and bf16 moments) is widened, updated and
  * narrowed while its lines are in L1, so memory sees each buffer once.  Portable C; the fused
@@ -133,6 +134,10 @@ static void HZ_FN(hz_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
     const int bf16_state = a->state_kind == HZ_BF16;
     if (a->state_kind == HZ_Q8) {
         HZ_FN(hz_q8_range)(a, lo, hi);
+        return;
+    }
+    if (a->state_kind == HZ_Q4) {
+        HZ_FN(hz_q4_range)(a, lo, hi);
         return;
     }
     if (!bf16_state && a->grad_kind == HZ_F32 && a->out_kind == HZ_NONE) {  /* nothing to stage */
@@ -172,6 +177,10 @@ static void HZ_FN(hz_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
 #include "adam_q8_fused.h"
 
 static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+    if (a->state_kind == HZ_Q4) {  /* no fused path: the portable one (adam_q4_portable.h) */
+        HZ_FN(hz_q4_range)(a, lo, hi);
+        return;
+    }
     if (a->state_kind == HZ_Q8) {
         switch (a->grad_kind * 4 + a->out_kind) {
 #define HZ_QCASE(gk, ok) case gk * 4 + ok: HZ_FN(hz_q8_fused)(a, lo, hi, gk, ok); return;
@@ -200,7 +209,7 @@ static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
 #else
 #define HZ_FUSED 0
 static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
-    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8-bit moments */
+    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8- and 4-bit moments */
 }
 #endif
 

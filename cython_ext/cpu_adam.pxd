@@ -7,6 +7,7 @@ cdef extern from "adam_kernel.h" nogil:
         HZ_BF16
         HZ_NONE
         HZ_Q8
+        HZ_Q4
         HZ_QBLOCK_MAX
         HZ_AUTO
         HZ_GENERIC
@@ -56,6 +57,10 @@ cdef extern from "adam_kernel.h" nogil:
     void hz_q8_encode_buf(const float *m, const float *v, unsigned char *mc, unsigned char *uc,
                           float *ms, float *us, size_t n, size_t bs)
     void hz_q8_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
+                          const float *ms, const float *us, size_t n, size_t bs)
+    void hz_q4_encode_buf(const float *m, const float *v, unsigned char *mc, unsigned char *uc,
+                          float *ms, float *us, size_t n, size_t bs)
+    void hz_q4_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
                           const float *ms, const float *us, size_t n, size_t bs)
     void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)
     void hz_traffic8_range(float *p, unsigned short *g, unsigned char *mc, unsigned char *uc,

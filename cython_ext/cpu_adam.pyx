@@ -15,7 +15,8 @@ from cpu_adam cimport *
 # libgomp) is a visible share of the work (16 Ki elements x 28 B = 0.46 MB, ~40 us at 12 GB/s).
 cdef size_t MIN_PER_THREAD = 16384
 # Chunk starts on a 64-byte line so two threads never write the same cache line (and, with
-# 8-bit moments, on a block: a block is encoded by one thread).
+# 8- or 4-bit moments, on a block: a block is encoded by one thread, and a 4-bit block starts
+# on a byte).
 cdef size_t ALIGN = 16
 
 FLOAT32 = HZ_F32
@@ -23,6 +24,7 @@ FLOAT16 = HZ_F16
 BFLOAT16 = HZ_BF16
 NO_OUTPUT = HZ_NONE
 INT8 = HZ_Q8
+INT4 = HZ_Q4
 QBLOCK_MAX = HZ_QBLOCK_MAX
 VARIANTS = {"auto": HZ_AUTO, "generic": HZ_GENERIC, "native": HZ_NATIVE,
             "avx2": HZ_AVX2, "avx512bf16": HZ_AVX512BF16}
@@ -53,7 +55,8 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
         fn(a, 0, n)
         return
     chunk = _chunk_for(n, num_threads,
-                       <size_t>a.qblock if a.state_kind == HZ_Q8 and <size_t>a.qblock > ALIGN else ALIGN)
+                       <size_t>a.qblock if (a.state_kind == HZ_Q8 or a.state_kind == HZ_Q4)
+                       and <size_t>a.qblock > ALIGN else ALIGN)
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk
@@ -156,6 +159,23 @@ def q8_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, si
     """8-bit codes and block scales -> fp32 moments (v: exp_avg_sq)."""
     with nogil:
         hz_q8_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
+                         <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
+                         qblock)
+
+
+def q4_encode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """fp32 moments -> 4-bit codes (two per byte) and block scales; n starts on a block."""
+    with nogil:
+        hz_q4_encode_buf(<const float *>m, <const float *>v, <unsigned char *>mc,
+                         <unsigned char *>uc, <float *>ms, <float *>us, n, qblock)
+
+
+def q4_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """4-bit codes (two per byte) and block scales -> fp32 moments (v: exp_avg_sq)."""
+    with nogil:
+        hz_q4_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
                          <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
                          qblock)
 

@@ -23,7 +23,7 @@ ENABLED_ENV = "HF_ZOFFLOAD_ENABLED"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 SAVE_DTYPES = ("fp32", "compute")
 # Variables with the prefix that are not engine settings: the on/off switch, the sidecar's
 # path, and build switches read by setup.py.
@@ -88,8 +88,8 @@ class ZeroOffloadPlugin:
     )
     state_dtype: str = _knob(
         "fp32",
-        "dtype in which the host keeps the Adam moments: fp32 (exact), or bf16 / int8 (less "
-        "host memory, rounded).",
+        "dtype in which the host keeps the Adam moments: fp32 (exact), or bf16 / int8 / int4 "
+        "(less host memory, rounded).",
         choices=STATE_DTYPES,
     )
     save_dtype: str = _knob(

@@ -40,7 +40,7 @@ BAD_VALUES = [
     ("cpu_threads", -1, "must be >= 0"),
     ("cpu_threads", 2**31, "must be <= 32768"),
     ("bind_cores", "sometimes", "not a valid bool (true/false)"),
-    ("state_dtype", "fp16", "not allowed; allowed: fp32, bf16, int8"),
+    ("state_dtype", "fp16", "not allowed; allowed: fp32, bf16, int8, int4"),
     ("save_dtype", "bf16", "not allowed; allowed: fp32, compute"),
     ("host_memory_limit", "48", "expected a number with a unit"),
     ("host_memory_limit", "-1GiB", "expected a number with a unit"),

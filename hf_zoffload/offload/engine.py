@@ -216,12 +216,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     def host_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """1-D views of the host state of ``param``'s elements this rank holds (all of them
-        in one process): ``master``, ``exp_avg``, ``exp_avg_sq``."""
+        in one process): ``master``, ``exp_avg``, ``exp_avg_sq`` (the stored moments: codes
+        for 8- and 4-bit state)."""
         b, i = self._where[param][:2]
         own, _ = b.layout.owned(b.layout.slots[i])
         s = b.state
-        return {"master": s.master[own], "exp_avg": s.exp_avg[own],
-                "exp_avg_sq": s.exp_avg_sq[own]}
+        m, v, _ = s.moment_parts(own.start, own.stop)  # 4-bit: the param's bytes
+        return {"master": s.master[own], "exp_avg": m, "exp_avg_sq": v}
 
     # ----------------------------------------------------------- grad stream
     def _grad_hook(self, p: torch.Tensor) -> None:

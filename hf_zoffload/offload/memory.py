@@ -38,12 +38,13 @@ def estimate(
 
     Device: the ``compute_dtype`` parameters (frozen ones too) plus up to two gradient
     buckets in flight. Host, per rank: fp32 master weights (4 B/param) and both moments
-    (``state_dtype``: fp32 8, bf16 4, int8 about 2 B/param) for this rank's ``1/world_size``
-    shard, the 16-bit gradient buffer (which the update's new params overwrite on their way
-    back), the fp32 accumulation buffer when gradients are accumulated over micro-steps,
-    and a second gradient buffer for the delayed update. ``pinned``: the gradient buffers
-    are page-locked, held as the engine's pool holds them (host.py: power-of-two blocks of
-    whole buckets), with buckets of ``bucket_size_mb`` each.
+    (``state_dtype``: fp32 8, bf16 4, int8 about 2, int4 about 1 B/param) for this rank's
+    ``1/world_size`` shard, the 16-bit gradient buffer (which the update's new params
+    overwrite on their way back), the fp32 accumulation buffer when gradients are
+    accumulated over micro-steps, and a second gradient buffer for the delayed update.
+    ``pinned``: the gradient buffers are page-locked, held as the engine's pool holds them
+    (host.py: power-of-two blocks of whole buckets), with buckets of ``bucket_size_mb``
+    each.
     """
     if n_params < 0 or n_frozen < 0:
         raise ValueError("n_params and n_frozen must be >= 0")
@@ -67,8 +68,8 @@ def estimate(
                  for i in range(0, n_params, per)]
         return sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
 
-    # int8: codes and block scales; the engine also starts every param on a 256-element
-    # block, which adds up to 255 elements per param (not known here; < 0.1% for 7B shapes)
+    # int8 / int4: codes and block scales; the engine also starts every param on a block
+    # (256 / 128 elements), up to a block per param more (not known here; < 0.1% for 7B shapes)
     moment = int(fmt.bytes_per_element() / 2 * shard)
     host = {
         "master": 4 * shard,
@@ -160,7 +161,8 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
     shards = [lay.shard for lay in layouts]
     n = sum(shards)
     fmt = moment_format(state_dtype)
-    moments = n * fmt.dtype.itemsize * 2 + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
+    moments = 2 * fmt.dtype.itemsize * sum(fmt.storage(s) for s in shards) \
+        + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
     return {"master": 4 * n, "moments": moments,

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from ..ops.cpu_adam import adam_update_unchecked
-from ..ops.moments import QBLOCK
 from .state import Bucket
 from .threads import host_threads
 
@@ -89,7 +88,7 @@ def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, flo
             b.fill_absent(out, present)
         for r in runs:
             # In place, the new 16-bit values go straight into each param's own storage:
-            # one call per param (the kernel is bitwise the same for any split; with 8-bit
+            # one call per param (the kernel is bitwise the same for any split; with 8- / 4-bit
             # moments every param starts on a block, layout.py).
             parts = b.layout.param_pieces(r.lo, r.hi) if out is None else \
                 [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi])]
@@ -97,13 +96,12 @@ def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, flo
             for a, z, out16 in parts:
                 # Unchecked: every buffer here was built and sized by this engine; the
                 # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
+                m, v, scales = s.moment_parts(a, z)
                 adam_update_unchecked(
-                    s.master[a:z], grad[a:z], s.exp_avg[a:z], s.exp_avg_sq[a:z],
+                    s.master[a:z], grad[a:z], m, v,
                     step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                     eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                    out16=out16, num_threads=threads,
-                    scales=None if s.scales is None else
-                    (s.scales[0][a // QBLOCK:], s.scales[1][a // QBLOCK:]))
+                    out16=out16, num_threads=threads, scales=scales, state_dtype=s.fmt.name)
         if out is not None:
             b.fill_from_master(out)  # fp32 compute: the upload reads pinned memory
         t1 = time.perf_counter()
