@@ -218,6 +218,10 @@ def compute(args) -> dict:
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
     modes = {m: report_for(m)["host_total"] * args.num_gpus for m in STATE_DTYPES}
+    # per-rank local elements are not a model size under tensor parallelism: no largest there
+    largest = {m: _largest_fit(lambda k, m=m: report_for(m, k)["host_total"] * args.num_gpus,
+                               host) if host is not None and tp == 1 else None
+               for m in STATE_DTYPES}
     settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
     gpu_fit = _fit(report["device_total"], gpu)
     hint = None
@@ -230,10 +234,30 @@ def compute(args) -> dict:
         "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
-        "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host)}
+        "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host),
+                                    "largest_n_params": largest[m]}
                                 for m, v in modes.items()},
         "tp_hint": hint,
     }
+
+
+def _largest_fit(host_need, have: int) -> int:
+    """The most trainable params whose host need (``host_need(n)``, non-decreasing in n)
+    fits in ``have`` bytes: a bisection (every mode needs at least the 2 B/param gradient
+    landing buffer, so ``have // 2`` is an upper bound)."""
+    lo, hi = 0, have // 2 + 1  # host_need(lo) fits; host_need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if host_need(mid) <= have else (lo, mid)
+    return lo
+
+
+def format_count(n: int) -> str:
+    """1_234_567_890 -> '1.23B' (parse_count's suffixes)."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
 
 
 def _tp_hint(cfg, split, gpu: int, num_gpus: int, tp: int, device_total) -> dict | None:
@@ -301,8 +325,10 @@ def format_fits(result: dict) -> str:
         f = m["fit"]
         verdict = "" if f is None else \
             f": {'fits' if f['fits'] else 'DOES NOT FIT'}, headroom {human(f['headroom'])}"
+        most = "" if m["largest_n_params"] is None else \
+            f"; largest that fits: {format_count(m['largest_n_params'])} params"
         lines.append(f"  state_dtype={mode:<5} needs {human(m['host_total_all_ranks']):>11}"
-                     + verdict)
+                     + verdict + most)
     return "\n".join(lines)
 
 

@@ -182,12 +182,22 @@ def test_estimate_says_which_state_dtype_fits(capsys, monkeypatch):
     assert "state_dtype=fp32  needs   91.27 GiB: DOES NOT FIT" in text
     assert "state_dtype=bf16  needs   65.19 GiB: DOES NOT FIT" in text
     assert "state_dtype=int8  needs   52.36 GiB: fits" in text
+    assert "state_dtype=int4  needs   46.04 GiB: fits" in text
+    # the most params each mode fits in 64 GiB: about 64 GiB / (14, 10, 8.03, 7.06 B)
+    assert "fp32  needs   91.27 GiB: DOES NOT FIT, headroom -27.27 GiB; largest that fits: " \
+        "4.91B params" in text
+    assert "largest that fits: 9.73B params" in text
     r = _json(capsys, "--params", "7B", "--state_dtype", "int8", "--host_memory", "64GiB")
     assert r["report"]["state_dtype"] == "int8" and r["fits"]["host_zero_offload"]["fits"]
     n = 7 * 10**9
     assert r["report"]["host"]["exp_avg"] == int((1 + 4 / 256) * n)  # codes + block scales
     assert {m: v["fit"]["fits"] for m, v in r["host_by_state_dtype"].items()} == \
-        {"fp32": False, "bf16": False, "int8": True}
+        {"fp32": False, "bf16": False, "int8": True, "int4": True}
+    for m, v in r["host_by_state_dtype"].items():  # the largest fits, one more does not
+        most = v["largest_n_params"]
+        need = [_json(capsys, "--params", str(k), "--state_dtype", m)["report"]["host_total"]
+                for k in (most, most + 1)]
+        assert need[0] <= 64 * 2**30 < need[1], m
 
 
 def test_estimate_never_downloads(capsys):
