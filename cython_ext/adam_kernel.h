@@ -43,6 +43,12 @@ typedef struct {
     /* HZ_Q8 / HZ_Q4: beta1 and sqrt(beta2) multiply the block scales at decode (so the decoded moments
      * come out already decayed), 1 - beta1 weighs the grad in m' = fma(1 - beta1, g, beta1 m) */
     float beta1, one_minus_beta1, sqrt_beta2;
+    /* master_kind HZ_BF16: the master is master16 (bf16, param unused), widened, updated in
+     * fp32 and rounded back stochastically: element i's 16 random bits are
+     * hz_sr_bits(sr_key, sr_first + i) (docs/design.md, "bf16 master"). */
+    int master_kind;  /* HZ_F32 or HZ_BF16 */
+    uint16_t *master16;
+    uint32_t sr_key, sr_first;
 } hz_adam_args;
 
 typedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi);
@@ -89,6 +95,34 @@ static inline uint16_t hz_float_to_bf16(float f) {
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     uint32_t q = (u >> 16) | 0x40u;
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
+}
+
+/* ---- bf16 master: stochastic rounding ------------------------------------------------------
+ * Counter-based: the bits of an element come from a hash of its key (seed, Adam step and param
+ * index, mixed by the caller with the same hash) plus its index in the param, so they do not
+ * depend on threads, buckets, shards or calls.  lowbias32 (C. Wellons' search for 32-bit
+ * integer hashes; bias 0.17): two 32-bit multiplies, which vectorize (vpmulld) where a 64-bit
+ * SplitMix finalizer would not on AVX2. */
+static inline uint32_t hz_hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline uint32_t hz_sr_bits(uint32_t key, uint32_t index) { return hz_hash32(key + index); }
+
+/* float -> bfloat16 rounded up in magnitude with probability (dropped bits) / 2^16: the low 16
+ * bits of r added before truncation (sign-magnitude, so the same for both signs: unbiased in
+ * value).  inf stays inf; NaN as hz_float_to_bf16 (quiet, sign and top payload kept); a finite
+ * value above the largest bf16 may round to inf, as round-to-nearest does past half its ulp. */
+static inline uint16_t hz_float_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u = hz_bits(f);
+    uint32_t q = (u >> 16) | 0x40u;
+    uint32_t s = (u + (r & 0xffffu)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : s);
 }
 
 /* ---- 8-bit moments (HZ_Q8) ---------------------------------------------------------------
@@ -244,6 +278,14 @@ static void hz_q4_decode_buf(float *m, float *v, const uint8_t *mc, const uint8_
         size_t k = n - i < bs ? n - i : bs;
         hz_q4_decode_generic(m + i, v + i, mc + i / 2, uc + i / 2, ms[i / bs], us[i / bs], k);
     }
+}
+
+/* x -> bf16 with the stochastic rounding of the bf16 master (tests compare it with the torch
+ * reference; the update runs the same loop in hz_m16_range). */
+static void hz_sr_round_buf(uint16_t *dst, const float *x, size_t n, uint32_t key,
+                            uint32_t first) {
+    for (size_t i = 0; i < n; ++i)
+        dst[i] = hz_float_to_bf16_sr(x[i], hz_sr_bits(key, first + (uint32_t)i));
 }
 
 static int hz_cpu_has(int variant) {

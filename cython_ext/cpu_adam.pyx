@@ -95,8 +95,10 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
               double one_minus_beta2, double inv_bc2_sqrt, double eps, double neg_step,
               int num_threads, int variant, int state_kind=HZ_F32, size_t m_scale=0,
               size_t v_scale=0, int qblock=0, double inv_ratio_cap=0.0, double beta1=0.0,
-              double sqrt_beta2=0.0):
-    """Run the pass over n elements; the GIL is released for the whole pass."""
+              double sqrt_beta2=0.0, size_t master16=0, unsigned int sr_key=0,
+              unsigned int sr_first=0):
+    """Run the pass over n elements; the GIL is released for the whole pass. master16: a
+    bf16 master (param unused), rounded stochastically with sr_key, sr_first."""
     cdef hz_adam_args a
     cdef hz_range_fn fn = hz_select(variant)
     if fn == NULL:
@@ -127,6 +129,10 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
     a.inv_bc2_sqrt = <float>inv_bc2_sqrt
     a.eps = <float>eps
     a.neg_step = <float>neg_step
+    a.master_kind = HZ_BF16 if master16 else HZ_F32
+    a.master16 = <unsigned short *>master16
+    a.sr_key = sr_key
+    a.sr_first = sr_first
     with nogil:
         _adam_parallel(&a, fn, n, num_threads)
 
@@ -178,6 +184,13 @@ def q4_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, si
         hz_q4_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
                          <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
                          qblock)
+
+
+def sr_round(size_t dst, size_t x, size_t n, unsigned int key, unsigned int first):
+    """fp32 x -> bf16 dst with the bf16 master's stochastic rounding (element i's bits from
+    key and first + i)."""
+    with nogil:
+        hz_sr_round_buf(<unsigned short *>dst, <const float *>x, n, key, first)
 
 
 def variant_available(int variant):

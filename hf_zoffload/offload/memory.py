@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..ops.masters import master_format
 from ..ops.moments import FORMATS, moment_format
 from .host import plan_blocks
 
@@ -33,11 +34,13 @@ def estimate(
     delayed_update: bool = False,
     pinned: bool = False,
     state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
     Device: the ``compute_dtype`` parameters (frozen ones too) plus up to two gradient
-    buckets in flight. Host, per rank: fp32 master weights (4 B/param) and both moments
+    buckets in flight. Host, per rank: master weights (``master_dtype``: fp32 4, bf16 2
+    B/param) and both moments
     (``state_dtype``: fp32 8, bf16 4, int8 about 2, int4 about 1 B/param) for this rank's
     ``1/world_size`` shard, the 16-bit gradient buffer (which the update's new params
     overwrite on their way back), the fp32 accumulation buffer when gradients are
@@ -53,6 +56,7 @@ def estimate(
     if compute_dtype not in _DTYPE_BYTES:
         raise ValueError(f"compute_dtype {compute_dtype!r}; allowed: fp16, bf16, fp32")
     fmt = moment_format(state_dtype)
+    master = master_format(master_dtype)
     w = _DTYPE_BYTES[compute_dtype]
     shard = -(-n_params // world_size)  # ceil: the largest shard
     bucket = int(bucket_size_mb * _MIB) // 2 * w  # bucket_size_mb counts 16-bit grads
@@ -72,22 +76,23 @@ def estimate(
     # (256 / 128 elements), up to a block per param more (not known here; < 0.1% for 7B shapes)
     moment = int(fmt.bytes_per_element() / 2 * shard)
     host = {
-        "master": 4 * shard,
+        "master": master.bytes_per_element() * shard,
         "exp_avg": moment,
         "exp_avg_sq": moment,
         "grad_staging": staged(w) * (2 if delayed_update else 1),
         "grad_accumulation": 4 * shard if grad_accumulation else 0,
     }
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=w,
-                   state_dtype=state_dtype)
+                   state_dtype=state_dtype, master_dtype=master.name)
 
 
 def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_dtype: int,
-            state_dtype: str):
+            state_dtype: str, master_dtype: str):
     return {
         "n_params": n_params,
         "n_frozen": n_frozen,
         "state_dtype": state_dtype,
+        "master_dtype": master_dtype,
         "device": device,
         "host": host,
         "device_total": sum(device.values()),
@@ -98,10 +103,10 @@ def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, compute_d
 
 
 def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, param_bytes: int,
-                state_dtype: str):
+                state_dtype: str, master_dtype: str = "fp32"):
     """Wrap measured byte counts (from the engine) in the structure `estimate()` returns."""
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, compute_dtype=param_bytes,
-                   state_dtype=state_dtype)
+                   state_dtype=state_dtype, master_dtype=master_dtype)
 
 
 _POOL_KINDS = {"grad16": "grad_staging", "grad32": "grad_staging",
@@ -145,7 +150,8 @@ def engine_report(opt) -> dict:
               "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
     n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
     report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w,
-                         state_dtype=opt.plugin.state_dtype)
+                         state_dtype=opt.plugin.state_dtype,
+                         master_dtype=opt.plugin.master_dtype)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
@@ -153,7 +159,7 @@ def engine_report(opt) -> dict:
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
-                pinned: bool) -> dict[str, int]:
+                pinned: bool, master_dtype: str = "fp32") -> dict[str, int]:
     """Host bytes the engine allocates for ``layouts`` (this rank's shards) when it is built
     and at its first step, by kind: the same arithmetic as `engine_report`, before anything
     is allocated. Buffers made only for gradient accumulation come later and are not
@@ -165,7 +171,7 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
         + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
-    return {"master": 4 * n, "moments": moments,
+    return {"master": master_format(master_dtype).bytes_per_element() * n, "moments": moments,
             "grad_staging": grads * (2 if delayed_update else 1)}
 
 
@@ -215,7 +221,8 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     fit (the other ``state_dtype`` modes, more data-parallel ranks). Returns the need."""
     def need(state_dtype):
         return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
-                           delayed_update=plugin.delayed_update, pinned=pinned)
+                           delayed_update=plugin.delayed_update, pinned=pinned,
+                           master_dtype=plugin.master_dtype)
 
     needed = need(plugin.state_dtype)
     if plugin.host_memory_limit_bytes:
@@ -249,7 +256,8 @@ def format_report(report: dict) -> str:
     """Human-readable lines for a report from `estimate()` or `memory_report()`."""
     lines = [f"model states for {report['n_params']:,} trainable parameters"
              + (f" (+{report['n_frozen']:,} frozen)" if report["n_frozen"] else "")
-             + f", Adam moments in {report['state_dtype']}"]
+             + f", Adam moments in {report['state_dtype']}"
+             + f", master weights in {report.get('master_dtype', 'fp32')}"]
     for side in ("device", "host"):
         parts = ", ".join(f"{k} {human(v)}" for k, v in report[side].items() if v)
         lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..ops.masters import MasterFormat, master_format
 from ..ops.moments import MomentFormat, moment_format
 from .host import HostPool
 from .layout import BucketLayout
@@ -38,13 +39,19 @@ class GradBuffers:
 
 @dataclass(eq=False)
 class HostState:
-    master: torch.Tensor  # fp32, (shard,)
+    master: torch.Tensor  # (shard,) in ``master_fmt.dtype``: fp32, or bf16 (master_dtype)
     exp_avg: torch.Tensor  # (fmt.storage(shard),) in ``fmt.dtype``: fp32, bf16 or uint8 codes
     exp_avg_sq: torch.Tensor
     grads: GradBuffers
     fmt: MomentFormat  # how the moments are stored (state_dtype)
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 block scales, if fmt.scaled
     spare: GradBuffers | None = None  # the delayed update's second set, made on first use
+    master_fmt: MasterFormat = field(default_factory=lambda: master_format("fp32"))
+
+    def master_fp32(self) -> torch.Tensor:
+        """The master weights as fp32 (the buffer itself when fp32; a bf16 master widened,
+        exactly)."""
+        return self.master.float()
 
     def moments_fp32(self, lo: int = 0, hi: int | None = None):
         """(exp_avg, exp_avg_sq) of shard elements [lo, hi) as fp32 tensors (views for
@@ -88,12 +95,14 @@ class HostState:
 
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
-                state_dtype: str | MomentFormat = "fp32", zero: bool = True) -> HostState:
+                state_dtype: str | MomentFormat = "fp32", zero: bool = True,
+                master_dtype: str | MasterFormat = "fp32") -> HostState:
     """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
     every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
     ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`)."""
     fmt, make = moment_format(state_dtype), torch.zeros if zero else torch.empty
-    state = HostState(master=make(layout.shard, dtype=torch.float32),
+    mf = master_format(master_dtype)
+    state = HostState(master=make(layout.shard, dtype=mf.dtype), master_fmt=mf,
                       exp_avg=make(fmt.storage(layout.shard), dtype=fmt.dtype),
                       exp_avg_sq=make(fmt.storage(layout.shard), dtype=fmt.dtype),
                       grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)),
@@ -120,14 +129,15 @@ def zero_gaps(layout: BucketLayout, state: HostState) -> None:
 
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          state_dtype: str | MomentFormat = "fp32",
+          state_dtype: str | MomentFormat = "fp32", master_dtype: str | MasterFormat = "fp32",
           flat: torch.Tensor | None = None) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
     or shared a storage with another param before (a DTensor param gets a new local tensor,
     support.set_local). Moments start at zero."""
-    state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype)
+    state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype,
+                        master_dtype=master_dtype)
     for s in layout.slots:
         shape = s.local().shape
         src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from ._native import ext as _ext
+from .masters import MASK32, round_sr_reference
 from .moments import FORMATS, MomentFormat, moment_format, ratio_cap
 
 __all__ = [
@@ -173,10 +174,21 @@ def _format_of(exp_avg, state_dtype) -> MomentFormat:
 
 def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, beta2, eps,
                 weight_decay, grad_scale, adamw_mode, bias_correction, num_threads,
-                scales=None, state_dtype=None):
+                scales=None, state_dtype=None, sr=None):
     """Validate everything before any work; returns the scalars as floats."""
-    _check_buffer("master", master, (torch.float32,))
+    _check_buffer("master", master, (torch.float32, torch.bfloat16))
     n = master.numel()
+    if master.dtype == torch.bfloat16:
+        if not (isinstance(sr, (tuple, list)) and len(sr) == 2 and
+                all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MASK32
+                    for k in sr)):
+            raise ValueError("a bf16 master is rounded stochastically and needs sr=(key, "
+                             "index of element 0), two ints in [0, 2**32), got " + repr(sr))
+        if out16 is not None and out16.dtype != torch.bfloat16:
+            raise TypeError(f"out16 of a bf16 master must be bf16 (the master is what goes "
+                            f"up), got {out16.dtype}")
+    elif sr is not None:
+        raise ValueError("sr is for a bf16 master (stochastic rounding); master is float32")
     _check_buffer("grad", grad, _GRAD_DTYPES, n)
     fmt = _format_of(exp_avg, state_dtype)
     if fmt.storage(n) != n:  # 4-bit codes: two per byte
@@ -232,13 +244,16 @@ def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta
                 adamw_mode: bool = True, bias_correction: bool = True,
                 out16: torch.Tensor | None = None, num_threads: int | None = None,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                state_dtype: str | None = None) -> None:
+                state_dtype: str | None = None, sr: tuple[int, int] | None = None) -> None:
     """One Adam/AdamW step over flat CPU buffers, in one compiled pass (GIL released).
 
-    master: 1-D contiguous fp32, updated in place.  exp_avg, exp_avg_sq: 1-D contiguous, both
-    fp32, both bf16 (rounded to nearest even after the update) or both uint8: the 8-bit block
-    codes of `hf_zoffload.ops.moments`, with ``scales`` their two fp32 block-scale buffers, or
-    with ``state_dtype="int4"`` its 4-bit codes, two per byte (``ceil(n / 2)`` bytes each).
+    master: 1-D contiguous fp32, updated in place; or bf16 (`hf_zoffload.ops.masters`),
+    updated in fp32 and rounded back stochastically with ``sr=(key, first)``: element i's
+    random bits from ``key`` and ``first + i`` (``masters.step_key``), out16 then bf16.
+    exp_avg, exp_avg_sq: 1-D contiguous, both fp32, both bf16 (rounded to nearest even after
+    the update) or both uint8: the 8-bit block codes of `hf_zoffload.ops.moments`, with
+    ``scales`` their two fp32 block-scale buffers, or with ``state_dtype="int4"`` its 4-bit
+    codes, two per byte (``ceil(n / 2)`` bytes each).
     state_dtype: None takes the format from exp_avg's dtype (uint8: int8).
     grad: 1-D contiguous fp32/fp16/bf16, multiplied by ``grad_scale`` inside the pass.
     adamw_mode: decoupled decay (p *= 1 - lr*wd); else L2 (g += wd*p).  out16: optional
@@ -250,18 +265,18 @@ def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta
     _update(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
             bias_correction=bias_correction, out16=out16, num_threads=num_threads,
-            scales=scales, state_dtype=state_dtype)
+            scales=scales, state_dtype=state_dtype, sr=sr)
 
 
 def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
             grad_scale=1.0, adamw_mode=True, bias_correction=True, out16=None, num_threads=None,
-            variant="auto", scales=None, state_dtype=None):
+            variant="auto", scales=None, state_dtype=None, sr=None):
     """adam_update with a choice of compiled variant (tests compare them bit for bit)."""
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
         bias_correction=bias_correction, num_threads=num_threads, scales=scales,
-        state_dtype=state_dtype)
+        state_dtype=state_dtype, sr=sr)
     ext = _ext()
     _checked_variant()
     if variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[variant]):
@@ -270,7 +285,7 @@ def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, w
                           beta2=beta2, eps=eps, weight_decay=wd, grad_scale=gs,
                           adamw_mode=adamw_mode, bias_correction=bias_correction, out16=out16,
                           num_threads=num_threads, variant=variant, scales=scales,
-                          state_dtype=_format_of(exp_avg, state_dtype).name)
+                          state_dtype=_format_of(exp_avg, state_dtype).name, sr=sr)
 
 
 _STATE_KIND = {"fp32": 0, "bf16": 2, "int8": 4, "int4": 5}  # adam_kernel.h's kinds
@@ -279,7 +294,7 @@ _STATE_KIND = {"fp32": 0, "bf16": 2, "int8": 4, "int4": 5}  # adam_kernel.h's ki
 def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
                           weight_decay, grad_scale=1.0, adamw_mode=True, bias_correction=True,
                           out16=None, num_threads=None, variant="auto", scales=None,
-                          qblock=None, state_dtype=None):
+                          qblock=None, state_dtype=None, sr=None):
     """`adam_update` without the argument checks, for a caller that validated its buffers
     once and calls many times (the engine: one call per param on the CPU, where the checks
     cost ~100 us a call, ~15 ms a step for GPT-2's 148 params). Bad arguments here are
@@ -311,6 +326,7 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         0 if scales is None else scales[0].data_ptr(),
         0 if scales is None else scales[1].data_ptr(), qblock,
         1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0, beta1, beta2**0.5,
+        master.data_ptr() if sr is not None else 0, *(sr or (0, 0)),
     )
 
 
@@ -320,20 +336,32 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
                           bias_correction: bool = True, out16: torch.Tensor | None = None,
                           num_threads: int | None = None,
                           scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          state_dtype: str | None = None) -> None:
+                          state_dtype: str | None = None,
+                          sr: tuple[int, int] | None = None) -> None:
     """adam_update in plain torch ops, as torch.optim.Adam(W)'s single-tensor path writes them.
 
     Same validation and signature; num_threads is checked but has no effect on the result
     (every op is elementwise), so it does not change torch's global thread setting. bf16
     moments are widened, updated as fp32 ones and rounded back. 8- and 4-bit moments follow
     the kernel op for op (the format's ``decode_reference``, the capped update, its
-    ``encode_reference``), so kernel and reference agree bit for bit there.
+    ``encode_reference``), so kernel and reference agree bit for bit there. A bf16 master is
+    widened, updated as an fp32 one and rounded back with `masters.round_sr_reference`.
     """
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
         bias_correction=bias_correction, num_threads=num_threads, scales=scales,
-        state_dtype=state_dtype)
+        state_dtype=state_dtype, sr=sr)
+    if master.dtype == torch.bfloat16:
+        p32 = master.float()
+        adam_update_reference(p32, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=wd, grad_scale=gs,
+                              adamw_mode=adamw_mode, bias_correction=bias_correction,
+                              scales=scales, state_dtype=state_dtype)
+        master.copy_(round_sr_reference(p32, *sr))
+        if out16 is not None:
+            out16.copy_(master)
+        return
     fmt = _format_of(exp_avg, state_dtype)
     if fmt.name != "fp32":
         _reference_compact(fmt, master, grad, exp_avg, exp_avg_sq, scales, out16, step=step, lr=lr,
