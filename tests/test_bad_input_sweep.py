@@ -41,6 +41,7 @@ BAD_VALUES = [
     ("cpu_threads", 2**31, "must be <= 32768"),
     ("bind_cores", "sometimes", "not a valid bool (true/false)"),
     ("state_dtype", "fp16", "not allowed; allowed: fp32, bf16, int8, int4"),
+    ("master_dtype", "fp16", "not allowed; allowed: fp32, bf16"),
     ("save_dtype", "bf16", "not allowed; allowed: fp32, compute"),
     ("host_memory_limit", "48", "expected a number with a unit"),
     ("host_memory_limit", "-1GiB", "expected a number with a unit"),

@@ -15,7 +15,9 @@ Rows per (size, threads):
   ours ... over grads  the engine's call: the new 16-bit params written over the 16-bit grads
                      just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
                      int8 (16 + 8 B per block of scales; one row per --qblocks block size),
-                     int4 (14 + 8 B per block of 128: two code nibbles per param)
+                     int4 (14 + 8 B per block of 128: two code nibbles per param); with a
+                     bf16 master (master_dtype bf16, stochastic rounding) and int8 / int4
+                     moments: 12 / 10 B (+ scales), the master read and written in 2 B
   int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
@@ -152,6 +154,22 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     m4, v4 = (torch.zeros(mo.n_codes4(n), dtype=torch.uint8) for _ in range(2))
     s4 = (torch.zeros(mo.n_blocks(n, mo.Q4BLOCK)), torch.zeros(mo.n_blocks(n, mo.Q4BLOCK)))
     add(INT4_STATE, compact(m4, v4, s4, mo.Q4BLOCK, "int4"), 14 + 16 / mo.Q4BLOCK)
+    p16 = p.to(torch.bfloat16)  # a bf16 master: the new params also go to the grad buffer
+    g16b = g.to(torch.bfloat16)
+
+    def master16(mm, vv, scales, state_dtype):
+        def run():
+            step[0] += 1
+            ca.adam_update_unchecked(p16, g16b, mm, vv, step=step[0], out16=g16b,
+                                     num_threads=threads, scales=scales,
+                                     state_dtype=state_dtype, sr=(step[0], 0), **HP)
+        return run
+
+    sq = (torch.zeros(-(-n // mo.QBLOCK)), torch.zeros(-(-n // mo.QBLOCK)))
+    add("ours bf16 master + int8 state, out over grads",
+        master16(mc, vc, sq, "int8"), 12 + 16 / mo.QBLOCK)
+    add(f"ours bf16 master + int4 state (block {mo.Q4BLOCK}), out over grads",
+        master16(m4, v4, s4, "int4"), 10 + 16 / mo.Q4BLOCK)
     # Its fp32 "params" are the ceiling's first scratch array and its 16-bit "grads" o16, both
     # read by no Adam row, its codes two byte arrays of its own. It adds 1 to each: the scratch
     # grows by ~1 a round (and g32's ~0.01 from the ceiling), finite and never subnormal (a
