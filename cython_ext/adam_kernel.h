@@ -182,8 +182,8 @@ static inline float hz_q_scale(uint32_t absmax_bits) {
  * <= 25%).  The same round-to-nearest on the float's bits (hz_q_code), code 0 is zero and the top
  * code exactly 1.0, so encode(decode(codes)) gives back the codes; the same ratio cap in the
  * update (docs/design.md, "Compact moments"), which binds far more often here: u's 7 binades
- * flush much of a block's small sqrt(v).  Code and block size chosen by training the quickstart
- * model with each candidate (docs/measurements.md, "4-bit moments"). */
+ * flush much of a block's small sqrt(v).  Why this code and block: docs/measurements.md, "4-bit
+ * moments". */
 #define HZ_Q4M_MBITS 0
 #define HZ_Q4U_MBITS 1
 #define HZ_Q4M_TOP (((1u << (3 - HZ_Q4M_MBITS)) - 1u) << HZ_Q4M_MBITS)  /* 7: 1.0 */
