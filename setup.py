@@ -112,6 +112,7 @@ def _extensions():
             "cython_ext/adam_fused.h",
             "cython_ext/adam_q8_portable.h",
             "cython_ext/adam_q8_fused.h",
+            "cython_ext/adam_q4_portable.h",
         ],
     )
     return cythonize(

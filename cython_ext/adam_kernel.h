@@ -21,7 +21,7 @@
 #define HZ_X86 0
 #endif
 
-enum { HZ_F32 = 0, HZ_F16 = 1, HZ_BF16 = 2, HZ_NONE = 3, HZ_Q8 = 4 };
+enum { HZ_F32 = 0, HZ_F16 = 1, HZ_BF16 = 2, HZ_NONE = 3, HZ_Q8 = 4, HZ_Q4 = 5 };
 enum { HZ_AUTO = 0, HZ_GENERIC = 1, HZ_NATIVE = 2, HZ_AVX2 = 3, HZ_AVX512BF16 = 4, HZ_NVARIANTS = 5 };
 enum { HZ_FEAT_AVX2 = 1, HZ_FEAT_AVX512F = 2, HZ_FEAT_F16C = 4, HZ_FEAT_AVX512BF16 = 8 };
 
@@ -29,20 +29,26 @@ enum { HZ_FEAT_AVX2 = 1, HZ_FEAT_AVX512F = 2, HZ_FEAT_F16C = 4, HZ_FEAT_AVX512BF
  * float once here, as torch's CPU kernels round a Python scalar for a float tensor. */
 typedef struct {
     float *param;
-    void *exp_avg, *exp_avg_sq;  /* fp32, bf16 or 8-bit codes, by state_kind            */
-    float *m_scale, *v_scale;    /* HZ_Q8: one fp32 scale per block of each moment       */
+    void *exp_avg, *exp_avg_sq;  /* fp32, bf16, 8-bit codes or 4-bit codes two per byte  */
+    float *m_scale, *v_scale;    /* HZ_Q8 / HZ_Q4: one fp32 scale per block of each moment */
     const void *grad;
     void *out16;                 /* may be grad itself (same kind): read before written  */
     int grad_kind, out_kind;
-    int state_kind;  /* HZ_F32, HZ_BF16 or HZ_Q8                              */
-    int qblock;      /* HZ_Q8: elements per block; calls start on a block       */
+    int state_kind;  /* HZ_F32, HZ_BF16, HZ_Q8 or HZ_Q4                       */
+    int qblock;      /* HZ_Q8 / HZ_Q4: elements per block; calls start on a block */
     int l2_on;       /* Adam mode with weight decay: g += wd * p          */
     int lerp_small;  /* torch.lerp branch: weight < 0.5                    */
     float grad_scale, decay, l2, lerp_coef, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step;
-    float inv_ratio_cap;  /* HZ_Q8: the denominator is at least |m| * this (docs/design.md) */
-    /* HZ_Q8: beta1 and sqrt(beta2) multiply the block scales at decode (so the decoded moments
+    float inv_ratio_cap;  /* HZ_Q8 / HZ_Q4: the denominator is at least |m| * this (docs/design.md) */
+    /* HZ_Q8 / HZ_Q4: beta1 and sqrt(beta2) multiply the block scales at decode (so the decoded moments
      * come out already decayed), 1 - beta1 weighs the grad in m' = fma(1 - beta1, g, beta1 m) */
     float beta1, one_minus_beta1, sqrt_beta2;
+    /* master_kind HZ_BF16: the master is master16 (bf16, param unused), widened, updated in
+     * fp32 and rounded back stochastically: element i's 16 random bits are
+     * hz_sr_bits(sr_key, sr_first + i) (docs/design.md, "bf16 master"). */
+    int master_kind;  /* HZ_F32 or HZ_BF16 */
+    uint16_t *master16;
+    uint32_t sr_key, sr_first;
 } hz_adam_args;
 
 typedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi);
@@ -89,6 +95,34 @@ static inline uint16_t hz_float_to_bf16(float f) {
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     uint32_t q = (u >> 16) | 0x40u;
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : r);
+}
+
+/* ---- bf16 master: stochastic rounding ------------------------------------------------------
+ * Counter-based: the bits of an element come from a hash of its key (seed, Adam step and param
+ * index, mixed by the caller with the same hash) plus its index in the param, so they do not
+ * depend on threads, buckets, shards or calls.  lowbias32 (C. Wellons' search for 32-bit
+ * integer hashes; bias 0.17): two 32-bit multiplies, which vectorize (vpmulld) where a 64-bit
+ * SplitMix finalizer would not on AVX2. */
+static inline uint32_t hz_hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline uint32_t hz_sr_bits(uint32_t key, uint32_t index) { return hz_hash32(key + index); }
+
+/* float -> bfloat16 rounded up in magnitude with probability (dropped bits) / 2^16: the low 16
+ * bits of r added before truncation (sign-magnitude, so the same for both signs: unbiased in
+ * value).  inf stays inf; NaN as hz_float_to_bf16 (quiet, sign and top payload kept); a finite
+ * value above the largest bf16 may round to inf, as round-to-nearest does past half its ulp. */
+static inline uint16_t hz_float_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u = hz_bits(f);
+    uint32_t q = (u >> 16) | 0x40u;
+    uint32_t s = (u + (r & 0xffffu)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? q : s);
 }
 
 /* ---- 8-bit moments (HZ_Q8) ---------------------------------------------------------------
@@ -138,6 +172,24 @@ static inline uint32_t hz_absmax_bits(const float *x, size_t n) {
 static inline float hz_q_scale(uint32_t absmax_bits) {
     return absmax_bits < 0x00800000u ? 0.0f : hz_float(absmax_bits);
 }
+
+/* ---- 4-bit moments (HZ_Q4) ---------------------------------------------------------------
+ * The 8-bit scheme with 4-bit codes, two per byte (element 2j in the low nibble of byte j,
+ * 2j + 1 in the high one; an odd count's last high nibble is written as 0), blocks of qblock
+ * elements with one fp32 scale each (the block's largest magnitude).  exp_avg: sign bit and 3
+ * bits of exponent, no mantissa (values 2^-6 .. 1 of the scale, a factor of 2 apart); exp_avg_sq
+ * as its square root u, 4 bits, 3 of exponent and 1 of mantissa (u: 1.5 * 2^-7 .. 1, half-step
+ * <= 25%).  The same round-to-nearest on the float's bits (hz_q_code), code 0 is zero and the top
+ * code exactly 1.0, so encode(decode(codes)) gives back the codes; the same ratio cap in the
+ * update (docs/design.md, "Compact moments"), which binds far more often here: u's 7 binades
+ * flush much of a block's small sqrt(v).  Why this code and block: docs/measurements.md, "4-bit
+ * moments". */
+#define HZ_Q4M_MBITS 0
+#define HZ_Q4U_MBITS 1
+#define HZ_Q4M_TOP (((1u << (3 - HZ_Q4M_MBITS)) - 1u) << HZ_Q4M_MBITS)  /* 7: 1.0 */
+#define HZ_Q4U_TOP (((1u << (4 - HZ_Q4U_MBITS)) - 1u) << HZ_Q4U_MBITS)  /* 14: 1.0 */
+#define HZ_Q4M_BIAS ((127u - (HZ_Q4M_TOP >> HZ_Q4M_MBITS)) << HZ_Q4M_MBITS)
+#define HZ_Q4U_BIAS ((127u - (HZ_Q4U_TOP >> HZ_Q4U_MBITS)) << HZ_Q4U_MBITS)
 
 /* ---- variants ---------------------------------------------------------------------------- */
 #define HZ_SUFFIX generic
@@ -207,6 +259,33 @@ static void hz_q8_decode_buf(float *m, float *v, const uint8_t *mc, const uint8_
         size_t k = n - i < bs ? n - i : bs;
         hz_q8_decode_generic(m + i, v + i, mc + i, uc + i, ms[i / bs], us[i / bs], k);
     }
+}
+
+/* The same for 4-bit moments; mc, uc: the codes of element 0 of the buffer (two per byte). */
+static void hz_q4_encode_buf(const float *m, const float *v, uint8_t *mc, uint8_t *uc,
+                             float *ms, float *us, size_t n, size_t bs) {
+    float ut[HZ_QBLOCK_MAX];
+    for (size_t i = 0; i < n; i += bs) {
+        size_t k = n - i < bs ? n - i : bs;
+        for (size_t j = 0; j < k; ++j) ut[j] = sqrtf(v[i + j]);
+        hz_q4_encode_generic(mc + i / 2, uc + i / 2, ms + i / bs, us + i / bs, m + i, ut, k);
+    }
+}
+
+static void hz_q4_decode_buf(float *m, float *v, const uint8_t *mc, const uint8_t *uc,
+                             const float *ms, const float *us, size_t n, size_t bs) {
+    for (size_t i = 0; i < n; i += bs) {
+        size_t k = n - i < bs ? n - i : bs;
+        hz_q4_decode_generic(m + i, v + i, mc + i / 2, uc + i / 2, ms[i / bs], us[i / bs], k);
+    }
+}
+
+/* x -> bf16 with the stochastic rounding of the bf16 master (tests compare it with the torch
+ * reference; the update runs the same loop in hz_m16_range). */
+static void hz_sr_round_buf(uint16_t *dst, const float *x, size_t n, uint32_t key,
+                            uint32_t first) {
+    for (size_t i = 0; i < n; ++i)
+        dst[i] = hz_float_to_bf16_sr(x[i], hz_sr_bits(key, first + (uint32_t)i));
 }
 
 static int hz_cpu_has(int variant) {

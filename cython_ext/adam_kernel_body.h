@@ -121,6 +121,7 @@ static void HZ_FN(hz_math_any)(float *restrict p, float *restrict m, float *rest
 }
 
 #include "adam_q8_portable.h"
+#include "adam_q4_portable.h"
 
 /* Elements [lo, hi) in tiles: each tile of grads (and bf16 moments) is widened, updated and
  * narrowed while its lines are in L1, so memory sees each buffer once.  Portable C; the fused
@@ -133,6 +134,10 @@ static void HZ_FN(hz_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
     const int bf16_state = a->state_kind == HZ_BF16;
     if (a->state_kind == HZ_Q8) {
         HZ_FN(hz_q8_range)(a, lo, hi);
+        return;
+    }
+    if (a->state_kind == HZ_Q4) {
+        HZ_FN(hz_q4_range)(a, lo, hi);
         return;
     }
     if (!bf16_state && a->grad_kind == HZ_F32 && a->out_kind == HZ_NONE) {  /* nothing to stage */
@@ -171,7 +176,11 @@ static void HZ_FN(hz_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
 #include "adam_fused.h"
 #include "adam_q8_fused.h"
 
-static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
+    if (a->state_kind == HZ_Q4) {  /* no fused path: the portable one (adam_q4_portable.h) */
+        HZ_FN(hz_q4_range)(a, lo, hi);
+        return;
+    }
     if (a->state_kind == HZ_Q8) {
         switch (a->grad_kind * 4 + a->out_kind) {
 #define HZ_QCASE(gk, ok) case gk * 4 + ok: HZ_FN(hz_q8_fused)(a, lo, hi, gk, ok); return;
@@ -199,10 +208,57 @@ static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
 }
 #else
 #define HZ_FUSED 0
-static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
-    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8-bit moments */
+static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
+    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8- and 4-bit moments */
 }
 #endif
+
+/* bf16 master: tiles of HZ_MTILE elements (a multiple of every block size, so each tile's
+ * moments start on a block and a byte) widened into an fp32 tile, updated there by this
+ * variant's fp32-master path (the same bits as an fp32 master holding the same values), then
+ * rounded stochastically into the master and its copy for the device.  Traffic: master 2 + 2
+ * B/param where the fp32 master moves 4 + 4; the tile (16 KiB) stays in L1/L2. */
+#define HZ_MTILE HZ_QBLOCK_MAX
+static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+    float pbuf[HZ_MTILE] __attribute__((aligned(64)));
+    hz_adam_args t = *a;
+    const size_t gsz = a->grad_kind == HZ_F32 ? 4 : 2;
+    t.param = pbuf;
+    t.out_kind = HZ_NONE;
+    t.out16 = NULL;
+    for (size_t i = lo; i < hi; i += HZ_MTILE) {
+        size_t n = hi - i < HZ_MTILE ? hi - i : HZ_MTILE;
+        HZ_FN(hz_widen)(pbuf, a->master16 + i, HZ_BF16, n);
+        t.grad = (const char *)a->grad + i * gsz;
+        switch (a->state_kind) {
+        case HZ_F32:
+            t.exp_avg = (float *)a->exp_avg + i;
+            t.exp_avg_sq = (float *)a->exp_avg_sq + i;
+            break;
+        case HZ_BF16:
+            t.exp_avg = (uint16_t *)a->exp_avg + i;
+            t.exp_avg_sq = (uint16_t *)a->exp_avg_sq + i;
+            break;
+        default: /* codes: one byte per element (HZ_Q8) or two per byte (HZ_Q4) */
+            t.exp_avg = (uint8_t *)a->exp_avg + (a->state_kind == HZ_Q4 ? i / 2 : i);
+            t.exp_avg_sq = (uint8_t *)a->exp_avg_sq + (a->state_kind == HZ_Q4 ? i / 2 : i);
+            t.m_scale = a->m_scale + i / (size_t)a->qblock;
+            t.v_scale = a->v_scale + i / (size_t)a->qblock;
+        }
+        HZ_FN(hz_adam_range32)(&t, 0, n);
+        uint16_t *m16 = a->master16 + i;
+        const uint32_t key = a->sr_key, first = a->sr_first + (uint32_t)i;
+        for (size_t k = 0; k < n; ++k)
+            m16[k] = hz_float_to_bf16_sr(pbuf[k], hz_sr_bits(key, first + (uint32_t)k));
+        if (a->out_kind != HZ_NONE && a->out16 != (void *)m16)
+            memcpy((uint16_t *)a->out16 + i, m16, n * 2);
+    }
+}
+
+static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+    if (a->master_kind == HZ_BF16) HZ_FN(hz_m16_range)(a, lo, hi);
+    else HZ_FN(hz_adam_range32)(a, lo, hi);
+}
 
 #undef HZ_USE_F16C
 #undef HZ_USE_BF16HW

@@ -7,6 +7,7 @@ cdef extern from "adam_kernel.h" nogil:
         HZ_BF16
         HZ_NONE
         HZ_Q8
+        HZ_Q4
         HZ_QBLOCK_MAX
         HZ_AUTO
         HZ_GENERIC
@@ -46,6 +47,10 @@ cdef extern from "adam_kernel.h" nogil:
         float beta1
         float one_minus_beta1
         float sqrt_beta2
+        int master_kind
+        unsigned short *master16
+        unsigned int sr_key
+        unsigned int sr_first
 
     ctypedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi) noexcept nogil
 
@@ -57,6 +62,12 @@ cdef extern from "adam_kernel.h" nogil:
                           float *ms, float *us, size_t n, size_t bs)
     void hz_q8_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
                           const float *ms, const float *us, size_t n, size_t bs)
+    void hz_q4_encode_buf(const float *m, const float *v, unsigned char *mc, unsigned char *uc,
+                          float *ms, float *us, size_t n, size_t bs)
+    void hz_q4_decode_buf(float *m, float *v, const unsigned char *mc, const unsigned char *uc,
+                          const float *ms, const float *us, size_t n, size_t bs)
+    void hz_sr_round_buf(unsigned short *dst, const float *x, size_t n, unsigned int key,
+                         unsigned int first)
     void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)
     void hz_traffic8_range(float *p, unsigned short *g, unsigned char *mc, unsigned char *uc,
                            size_t lo, size_t hi)

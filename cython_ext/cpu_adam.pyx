@@ -15,7 +15,8 @@ from cpu_adam cimport *
 # libgomp) is a visible share of the work (16 Ki elements x 28 B = 0.46 MB, ~40 us at 12 GB/s).
 cdef size_t MIN_PER_THREAD = 16384
 # Chunk starts on a 64-byte line so two threads never write the same cache line (and, with
-# 8-bit moments, on a block: a block is encoded by one thread).
+# 8- or 4-bit moments, on a block: a block is encoded by one thread, and a 4-bit block starts
+# on a byte).
 cdef size_t ALIGN = 16
 
 FLOAT32 = HZ_F32
@@ -23,6 +24,7 @@ FLOAT16 = HZ_F16
 BFLOAT16 = HZ_BF16
 NO_OUTPUT = HZ_NONE
 INT8 = HZ_Q8
+INT4 = HZ_Q4
 QBLOCK_MAX = HZ_QBLOCK_MAX
 VARIANTS = {"auto": HZ_AUTO, "generic": HZ_GENERIC, "native": HZ_NATIVE,
             "avx2": HZ_AVX2, "avx512bf16": HZ_AVX512BF16}
@@ -53,7 +55,8 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
         fn(a, 0, n)
         return
     chunk = _chunk_for(n, num_threads,
-                       <size_t>a.qblock if a.state_kind == HZ_Q8 and <size_t>a.qblock > ALIGN else ALIGN)
+                       <size_t>a.qblock if (a.state_kind == HZ_Q8 or a.state_kind == HZ_Q4)
+                       and <size_t>a.qblock > ALIGN else ALIGN)
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for c in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>c * chunk
@@ -92,8 +95,10 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
               double one_minus_beta2, double inv_bc2_sqrt, double eps, double neg_step,
               int num_threads, int variant, int state_kind=HZ_F32, size_t m_scale=0,
               size_t v_scale=0, int qblock=0, double inv_ratio_cap=0.0, double beta1=0.0,
-              double sqrt_beta2=0.0):
-    """Run the pass over n elements; the GIL is released for the whole pass."""
+              double sqrt_beta2=0.0, size_t master16=0, unsigned int sr_key=0,
+              unsigned int sr_first=0):
+    """Run the pass over n elements; the GIL is released for the whole pass. master16: a
+    bf16 master (param unused), rounded stochastically with sr_key, sr_first."""
     cdef hz_adam_args a
     cdef hz_range_fn fn = hz_select(variant)
     if fn == NULL:
@@ -124,6 +129,10 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
     a.inv_bc2_sqrt = <float>inv_bc2_sqrt
     a.eps = <float>eps
     a.neg_step = <float>neg_step
+    a.master_kind = HZ_BF16 if master16 else HZ_F32
+    a.master16 = <unsigned short *>master16
+    a.sr_key = sr_key
+    a.sr_first = sr_first
     with nogil:
         _adam_parallel(&a, fn, n, num_threads)
 
@@ -158,6 +167,30 @@ def q8_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, si
         hz_q8_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
                          <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
                          qblock)
+
+
+def q4_encode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """fp32 moments -> 4-bit codes (two per byte) and block scales; n starts on a block."""
+    with nogil:
+        hz_q4_encode_buf(<const float *>m, <const float *>v, <unsigned char *>mc,
+                         <unsigned char *>uc, <float *>ms, <float *>us, n, qblock)
+
+
+def q4_decode(size_t m, size_t v, size_t mc, size_t uc, size_t ms, size_t us, size_t n,
+              size_t qblock):
+    """4-bit codes (two per byte) and block scales -> fp32 moments (v: exp_avg_sq)."""
+    with nogil:
+        hz_q4_decode_buf(<float *>m, <float *>v, <const unsigned char *>mc,
+                         <const unsigned char *>uc, <const float *>ms, <const float *>us, n,
+                         qblock)
+
+
+def sr_round(size_t dst, size_t x, size_t n, unsigned int key, unsigned int first):
+    """fp32 x -> bf16 dst with the bf16 master's stochastic rounding (element i's bits from
+    key and first + i)."""
+    with nogil:
+        hz_sr_round_buf(<unsigned short *>dst, <const float *>x, n, key, first)
 
 
 def variant_available(int variant):

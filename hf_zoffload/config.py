@@ -23,7 +23,8 @@ ENABLED_ENV = "HF_ZOFFLOAD_ENABLED"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
+MASTER_DTYPES = ("fp32", "bf16")
 SAVE_DTYPES = ("fp32", "compute")
 # Variables with the prefix that are not engine settings: the on/off switch, the sidecar's
 # path, and build switches read by setup.py.
@@ -88,9 +89,16 @@ class ZeroOffloadPlugin:
     )
     state_dtype: str = _knob(
         "fp32",
-        "dtype in which the host keeps the Adam moments: fp32 (exact), or bf16 / int8 (less "
-        "host memory, rounded).",
+        "dtype in which the host keeps the Adam moments: fp32 (exact), or bf16 / int8 / int4 "
+        "(less host memory, rounded).",
         choices=STATE_DTYPES,
+    )
+    master_dtype: str = _knob(
+        "fp32",
+        "dtype of the master weights in host memory: fp32, or bf16 (the bf16 params "
+        "themselves, updated with stochastic rounding; 2 B/param less, needs compute_dtype "
+        "bf16).",
+        choices=MASTER_DTYPES,
     )
     save_dtype: str = _knob(
         "fp32",
@@ -146,6 +154,17 @@ class ZeroOffloadPlugin:
         if self.min_scale > self.init_scale:
             raise ValueError(f"ZeRO-Offload settings 'init_scale' {self.init_scale!r} and "
                              f"'min_scale' {self.min_scale!r}: init_scale must be >= min_scale")
+        self.check_master()
+
+    def check_master(self) -> None:
+        """A bf16 master only with bf16 compute: the master is the device's param
+        (`ops.masters`). Also checked when the engine is built, as an integration may set
+        compute_dtype after this plugin was made."""
+        if self.master_dtype == "bf16" and self.compute_dtype != "bf16":
+            raise ValueError(
+                f"ZeRO-Offload settings 'master_dtype': 'bf16' needs compute_dtype bf16 (the "
+                f"bf16 master is the device's param), got compute_dtype "
+                f"{self.compute_dtype!r}; allowed with it: master_dtype fp32")
 
     @property
     def host_memory_limit_bytes(self) -> int:

@@ -50,6 +50,9 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["ours bf16 state, out over grads"] == 20
         assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
         assert got["ours int8 state (block 256), out over grads"] == 16.0625
+        assert got["ours int4 state (block 128), out over grads"] == 14.125  # nibbles, scales
+        assert got["ours bf16 master + int8 state, out over grads"] == 12.0625
+        assert got["ours bf16 master + int4 state (block 128), out over grads"] == 10.125
         assert got["int8 ceiling (read 8, write 8)"] == 16
 
 

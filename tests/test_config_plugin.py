@@ -194,7 +194,7 @@ BAD = [
     ("growth_factor", 1.0, r"'growth_factor'.*must be > 1.0"),
     ("backoff_factor", 1.0, r"'backoff_factor'.*must be < 1.0"),  # exclusive maximum
     ("max_grad_norm", -0.5, r"'max_grad_norm'.*must be >= 0.0"),
-    ("state_dtype", "fp16", r"'state_dtype'.*allowed: fp32, bf16, int8"),  # choice
+    ("state_dtype", "fp16", r"'state_dtype'.*allowed: fp32, bf16, int8, int4"),  # choice
     ("save_dtype", "bf16", r"'save_dtype'.*allowed: fp32, compute"),  # choice
 ]
 

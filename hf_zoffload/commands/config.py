@@ -182,7 +182,8 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
     ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
                        "processes per node)?")
-    ask("state_dtype", "In which dtype should the host keep the Adam moments (fp32/bf16/int8)?")
+    ask("state_dtype", "In which dtype should the host keep the Adam moments "
+        "(fp32/bf16/int8/int4)?")
     ask("host_memory_limit", "How much host memory may each process use for the optimizer "
         "state, with a unit (48GiB; 0: what the machine has available)?")
     ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "

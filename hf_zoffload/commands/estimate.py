@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from ..config import STATE_DTYPES, parse_quantity, parse_size
+from ..config import MASTER_DTYPES, STATE_DTYPES, parse_quantity, parse_size
 from .launch import SIDECAR_HELP, find_sidecar
 
 description = (
@@ -56,6 +56,10 @@ def add_parser(subparsers):
     p.add_argument("--state_dtype", default=None, choices=STATE_DTYPES,
                    help="how the Adam moments are stored on the host (default: the effective "
                         "ZeRO-Offload config); the host verdict is printed for every mode")
+    p.add_argument("--master_dtype", default=None, choices=MASTER_DTYPES,
+                   help="how the master weights are stored on the host (default: the effective "
+                        "ZeRO-Offload config); bf16 needs compute_dtype bf16, and its host "
+                        "rows are printed when the compute dtype is bf16")
     p.add_argument("--tp_size", type=int, default=1,
                    help="tensor-parallel size: the params the model's tp plan shards count "
                         "1/tp per rank (needs MODEL, --model or --model_type); --num_gpus / "
@@ -156,9 +160,9 @@ def _fit(need: int, have: int | None) -> dict | None:
 
 
 # The settings the figures depend on, shown with where each came from.
-SHOWN_SETTINGS = ("state_dtype", "compute_dtype", "bucket_size_mb", "delayed_update",
-                  "pin_memory")
-FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype")
+SHOWN_SETTINGS = ("state_dtype", "master_dtype", "compute_dtype", "bucket_size_mb",
+                  "delayed_update", "pin_memory")
+FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype", "master_dtype")
 
 
 def effective_plugin(args, environ=None):
@@ -207,18 +211,32 @@ def compute(args) -> dict:
         n = parse_count(args.params) if args.params else count_params(cfg)
     frozen = parse_count(args.frozen_params)
 
-    def report_for(state_dtype, n=n, tp=tp):
+    def report_for(state_dtype, n=n, tp=tp, master_dtype=plugin.master_dtype):
         return estimate(n, compute_dtype=plugin.compute_dtype,
                         bucket_size_mb=plugin.bucket_size_mb,
                         world_size=args.num_gpus // tp,
                         n_frozen=frozen, grad_accumulation=args.grad_accumulation,
                         delayed_update=plugin.delayed_update, pinned=plugin.pin_memory,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, master_dtype=master_dtype)
 
     report = report_for(plugin.state_dtype)
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
-    modes = {m: report_for(m)["host_total"] * args.num_gpus for m in STATE_DTYPES}
+    # every (master_dtype, state_dtype) this compute dtype allows (a bf16 master: bf16 only)
+    pairs = [(ma, st) for ma in MASTER_DTYPES for st in STATE_DTYPES
+             if ma == "fp32" or plugin.compute_dtype == "bf16"]
+
+    def all_ranks(ma, st, k=n):
+        return report_for(st, k, master_dtype=ma)["host_total"] * args.num_gpus
+
+    # per-rank local elements are not a model size under tensor parallelism: no largest there
+    by_mode = [{"master_dtype": ma, "state_dtype": st, "host_total_all_ranks": all_ranks(ma, st),
+                "largest_n_params": _largest_fit(lambda k, ma=ma, st=st: all_ranks(ma, st, k),
+                                                 host) if host is not None and tp == 1 else None}
+               for ma, st in pairs]
+    for row in by_mode:
+        row["fit"] = _fit(row["host_total_all_ranks"], host)
+    mine = [r for r in by_mode if r["master_dtype"] == plugin.master_dtype]
     settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
     gpu_fit = _fit(report["device_total"], gpu)
     hint = None
@@ -231,10 +249,30 @@ def compute(args) -> dict:
         "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
-        "host_by_state_dtype": {m: {"host_total_all_ranks": v, "fit": _fit(v, host)}
-                                for m, v in modes.items()},
+        "host_by_state_dtype": {r["state_dtype"]: {k: r[k] for k in (
+            "host_total_all_ranks", "fit", "largest_n_params")} for r in mine},
+        "host_by_mode": by_mode,
         "tp_hint": hint,
     }
+
+
+def _largest_fit(host_need, have: int) -> int:
+    """The most trainable params whose host need (``host_need(n)``, non-decreasing in n)
+    fits in ``have`` bytes: a bisection (every mode needs at least the 2 B/param gradient
+    landing buffer, so ``have // 2`` is an upper bound)."""
+    lo, hi = 0, have // 2 + 1  # host_need(lo) fits; host_need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if host_need(mid) <= have else (lo, mid)
+    return lo
+
+
+def format_count(n: int) -> str:
+    """1_234_567_890 -> '1.23B' (parse_count's suffixes)."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
 
 
 def _tp_hint(cfg, split, gpu: int, num_gpus: int, tp: int, device_total) -> dict | None:
@@ -296,14 +334,15 @@ def format_fits(result: dict) -> str:
     elif hint:
         lines.append(f"  hint: even --tp_size {hint['largest_tried']} leaves the GPU side short: "
                      f"{human(hint['need'])} per GPU")
-    modes = result["host_by_state_dtype"]
-    lines.append("host by state_dtype (the Adam moments; master weights fp32 in every mode):")
-    for mode, m in modes.items():
+    lines.append("host by mode (master weights and Adam moments):")
+    for m in result["host_by_mode"]:
         f = m["fit"]
         verdict = "" if f is None else \
             f": {'fits' if f['fits'] else 'DOES NOT FIT'}, headroom {human(f['headroom'])}"
-        lines.append(f"  state_dtype={mode:<5} needs {human(m['host_total_all_ranks']):>11}"
-                     + verdict)
+        most = "" if m["largest_n_params"] is None else \
+            f"; largest that fits: {format_count(m['largest_n_params'])} params"
+        lines.append(f"  master_dtype={m['master_dtype']:<4} state_dtype={m['state_dtype']:<4} "
+                     f"needs {human(m['host_total_all_ranks']):>11}" + verdict + most)
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.cpu_adam import check_hyper
+from ..ops.masters import MASK32, SR_SEED
 from .support import is_dtensor
 
 FORMAT_VERSION = 1
@@ -41,7 +42,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
     parts = []
     for b in opt.buckets:
         # the whole bucket (of local tensors) on rank `to`, else None
-        got = ex.gather(b, [b.state.master, *b.state.moments_fp32()], to=to)
+        got = ex.gather(b, [b.state.master_fp32(), *b.state.moments_fp32()], to=to)
         if got is None:
             continue
         for s in b.layout.slots:
@@ -76,6 +77,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "applied_steps": opt.applied_steps,
             "world_size": ex.world,
             "bucket_order": opt.bucket_order,
+            "sr_seed": opt.sr_seed,  # a bf16 master's stochastic rounding: a resume continues
             # the key is part of the saved format: a rank's dict without the state
             **({"shell_of_rank": getattr(ex, "coll", ex).rank} if empty_here else {}),
         },
@@ -90,7 +92,7 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
     collective over its mesh)."""
     ex, parts = opt.exchange, []
     for b in opt.buckets:
-        got = ex.gather(b, [b.state.master], to=to)
+        got = ex.gather(b, [b.state.master_fp32()], to=to)
         if got is not None:
             parts += [(s, [got[0][s.offset:s.offset + s.numel]]) for s in b.layout.slots]
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
@@ -218,6 +220,11 @@ def plan_load(opt, sd: dict) -> LoadPlan:
     else:
         scaler_sd = None
 
+    seed = extra.get("sr_seed", SR_SEED)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
+        raise ValueError(f"state_dict's zero_offload.sr_seed must be an int in [0, 2**32), "
+                         f"got {seed!r}")
+
     order = extra.get("bucket_order")
     if order is not None and (not isinstance(order, (list, tuple)) or
                               not all(isinstance(i, int) for i in order)):
@@ -264,6 +271,7 @@ def apply_load(opt, lp: LoadPlan) -> None:
                 opt.param_steps[s.index] = 0
     if scaler_sd is not None:
         opt.loss_scaler.load_state_dict(scaler_sd)
+    opt.sr_seed = int(extra.get("sr_seed", SR_SEED))
     opt.skipped_steps = int(extra.get("skipped_steps", 0))
     opt.applied_steps = int(extra.get("applied_steps", 0))
     opt.zero_grad()

@@ -30,6 +30,7 @@ import torch
 
 from ..config import ZeroOffloadPlugin
 from ..ops.cpu_adam import check_hyper
+from ..ops.masters import SR_SEED, master_format
 from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
@@ -130,6 +131,10 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if param_order is None and model is not None:
             param_order = model.parameters()
         self.moments = moment_format(plugin.state_dtype)
+        plugin.check_master()  # compute_dtype may have been set after the plugin was made
+        self.masters = master_format(plugin.master_dtype)
+        # The seed of a bf16 master's stochastic rounding (checkpoints carry it).
+        self.sr_seed = SR_SEED
         names = None if model is None else {id(p): n for n, p in model.named_parameters()}
         slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments,
                               names=names)
@@ -220,6 +225,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             for lay in layouts:
                 buckets.append(Bucket(lay, place(
                     lay, self.dtype, self.device, pool=pool, state_dtype=self.moments,
+                    master_dtype=self.masters,
                     flat=self.exchange.initial_values(lay))))
                 own += sum(buckets[-1].state.nbytes().values())
                 progress.at(own + sum(pool.held().values()))  # the pool: on first use
@@ -234,12 +240,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     def host_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """1-D views of the host state of ``param``'s elements this rank holds (all of them
-        in one process): ``master``, ``exp_avg``, ``exp_avg_sq``."""
+        in one process): ``master``, ``exp_avg``, ``exp_avg_sq`` (the stored moments: codes
+        for 8- and 4-bit state)."""
         b, i = self._where[param][:2]
         own, _ = b.layout.owned(b.layout.slots[i])
         s = b.state
-        return {"master": s.master[own], "exp_avg": s.exp_avg[own],
-                "exp_avg_sq": s.exp_avg_sq[own]}
+        m, v, _ = s.moment_parts(own.start, own.stop)  # 4-bit: the param's bytes
+        return {"master": s.master[own], "exp_avg": m, "exp_avg_sq": v}
 
     # ----------------------------------------------------------- grad stream
     def _grad_hook(self, p: torch.Tensor) -> None:
@@ -385,7 +392,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def _run(self, work: list[Work], *, upload: bool) -> None:
         self.timings["cpu_adam"], t_publish = run(
             work, copier=self.copier, threads=self.cpu_threads,
-            publish=self.exchange.publish if upload else None)
+            publish=self.exchange.publish if upload else None, sr_seed=self.sr_seed)
         if upload:
             self.timings["upload_host"] = t_publish + self._finish_publish()
 
@@ -498,7 +505,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         with host_threads(self.cpu_threads):
             pool, buckets = relayout(
                 self.buckets, order, exchange=self.exchange, dtype=self.dtype,
-                state_dtype=self.moments, pin=pin, progress=progress,
+                state_dtype=self.moments, master_dtype=self.masters, pin=pin,
+                progress=progress,
                 **self.order.layout_args)
         self.order.fill = order
         self._install(pool, buckets)

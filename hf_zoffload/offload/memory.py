@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..ops.masters import master_format
 from ..ops.moments import FORMATS, moment_format
 from .host import plan_blocks
 from .support import local
@@ -39,18 +40,20 @@ def estimate(
     delayed_update: bool = False,
     pinned: bool = False,
     state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
     Device: the ``compute_dtype`` parameters (frozen ones too) plus up to two gradient
-    buckets in flight. Host, per rank: fp32 master weights (4 B/param) and both moments
-    (``state_dtype``: fp32 8, bf16 4, int8 about 2 B/param) for this rank's ``1/world_size``
-    shard, the 16-bit gradient buffer (which the update's new params overwrite on their way
-    back), a second gradient buffer for the delayed update, and with ``grad_accumulation``
-    the buffers of micro-step accumulation (`accumulation_needed`: with one process an fp32
-    sum per grad set, with N ranks whole unreduced buckets as well). ``pinned``: the
-    gradient buffers are page-locked, held as the engine's pool holds them (host.py:
-    power-of-two blocks of whole buckets), with buckets of ``bucket_size_mb`` each.
+    buckets in flight. Host, per rank: master weights (``master_dtype``: fp32 4, bf16 2
+    B/param) and both moments (``state_dtype``: fp32 8, bf16 4, int8 about 2, int4 about 1
+    B/param) for this rank's ``1/world_size`` shard, the 16-bit gradient buffer (which the
+    update's new params overwrite on their way back), a second gradient buffer for the delayed
+    update, and with ``grad_accumulation`` the buffers of micro-step accumulation
+    (`accumulation_needed`: with one process an fp32 sum per grad set, with N ranks whole
+    unreduced buckets as well). ``pinned``: the gradient buffers are page-locked, held as the
+    engine's pool holds them (host.py: power-of-two blocks of whole buckets), with buckets of
+    ``bucket_size_mb`` each.
     """
     if n_params < 0 or n_frozen < 0:
         raise ValueError("n_params and n_frozen must be >= 0")
@@ -59,6 +62,7 @@ def estimate(
     if compute_dtype not in _DTYPE_BYTES:
         raise ValueError(f"compute_dtype {compute_dtype!r}; allowed: fp16, bf16, fp32")
     fmt = moment_format(state_dtype)
+    master = master_format(master_dtype)
     w = _DTYPE_BYTES[compute_dtype]
     shard = -(-n_params // world_size)  # ceil: the largest shard
     bucket = int(bucket_size_mb * _MIB) // 2 * w  # bucket_size_mb counts 16-bit grads
@@ -74,11 +78,11 @@ def estimate(
                  for i in range(0, n_params, per)]
         return sum(cap for cap, _ in plan_blocks(sizes, pinned=True))
 
-    # int8: codes and block scales; the engine also starts every param on a 256-element
-    # block, which adds up to 255 elements per param (not known here; < 0.1% for 7B shapes)
+    # int8 / int4: codes and block scales; the engine also starts every param on a block
+    # (256 / 128 elements), up to a block per param more (not known here; < 0.1% for 7B shapes)
     moment = int(fmt.bytes_per_element() / 2 * shard)
     host = {
-        "master": 4 * shard,
+        "master": master.bytes_per_element() * shard,
         "exp_avg": moment,
         "exp_avg_sq": moment,
         "grad_staging": staged(w) * (2 if delayed_update else 1),
@@ -94,15 +98,16 @@ def estimate(
             host[_ACCUMULATION_ROWS[kind[0]]] += n
     frozen = {compute_dtype: n_frozen * w} if n_frozen else {}
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=frozen,
-                   state_dtype=state_dtype)
+                   state_dtype=state_dtype, master_dtype=master.name)
 
 
 def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: dict,
-            state_dtype: str):
+            state_dtype: str, master_dtype: str):
     return {
         "n_params": n_params,
         "n_frozen": n_frozen,
         "state_dtype": state_dtype,
+        "master_dtype": master_dtype,
         "device": device,
         "host": host,
         "frozen": frozen,
@@ -115,11 +120,11 @@ def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: d
 
 
 def make_report(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: dict,
-                state_dtype: str):
+                state_dtype: str, master_dtype: str = "fp32"):
     """Wrap measured byte counts (from the engine) in the structure `estimate()` returns;
     ``frozen``: `frozen_bytes` of the frozen params (counted in ``device["params"]`` too)."""
     return _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=frozen,
-                   state_dtype=state_dtype)
+                   state_dtype=state_dtype, master_dtype=master_dtype)
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -230,7 +235,8 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
         host["params"], device["params"] = trained, opt.n_frozen * w
     n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
     report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, frozen=frozen,
-                         state_dtype=opt.plugin.state_dtype)
+                         state_dtype=opt.plugin.state_dtype,
+                         master_dtype=opt.plugin.master_dtype)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
@@ -268,7 +274,7 @@ def _accumulation_line(opt) -> str:
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
-                pinned: bool) -> dict[str, int]:
+                pinned: bool, master_dtype: str = "fp32") -> dict[str, int]:
     """Host bytes the engine allocates for ``layouts`` (this rank's shards) when it is built
     and at its first step, by kind: the same arithmetic as `engine_report`, before anything
     is allocated. Buffers made only for gradient accumulation come later and are not
@@ -276,10 +282,11 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
     shards = [lay.shard for lay in layouts]
     n = sum(shards)
     fmt = moment_format(state_dtype)
-    moments = n * fmt.dtype.itemsize * 2 + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
+    moments = 2 * fmt.dtype.itemsize * sum(fmt.storage(s) for s in shards) \
+        + 2 * 4 * sum(fmt.n_scales(s) for s in shards)
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
-    return {"master": 4 * n, "moments": moments,
+    return {"master": master_format(master_dtype).bytes_per_element() * n, "moments": moments,
             "grad_staging": grads * (2 if delayed_update else 1)}
 
 
@@ -329,7 +336,8 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     fit (the other ``state_dtype`` modes, more data-parallel ranks). Returns the need."""
     def need(state_dtype):
         return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
-                           delayed_update=plugin.delayed_update, pinned=pinned)
+                           delayed_update=plugin.delayed_update, pinned=pinned,
+                           master_dtype=plugin.master_dtype)
 
     needed = need(plugin.state_dtype)
     limit = plugin.host_memory_limit_bytes
@@ -368,7 +376,8 @@ def format_report(report: dict) -> str:
     """Human-readable lines for a report from `estimate()` or `memory_report()`."""
     lines = [f"model states for {report['n_params']:,} trainable parameters"
              + (f" (+{report['n_frozen']:,} frozen)" if report["n_frozen"] else "")
-             + f", Adam moments in {report['state_dtype']}"]
+             + f", Adam moments in {report['state_dtype']}"
+             + f", master weights in {report.get('master_dtype', 'fp32')}"]
     for side in ("device", "host"):
         parts = ", ".join(f"{k} {human(v)}" for k, v in report[side].items() if v)
         lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")

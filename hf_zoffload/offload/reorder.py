@@ -62,7 +62,7 @@ class ArrivalOrder:
 
 def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel: int,
              align: int, dtype: torch.dtype, state_dtype, pin: bool,
-             progress: Progress | None = None):
+             progress: Progress | None = None, master_dtype="fp32"):
     """New buckets filled in ``order`` (param indices), with the host state of ``buckets``
     moved into them; returns (pool, buckets). ``buckets`` are unusable after.
     No gradient may be held (end of a step) and no copy may still use their buffers.
@@ -79,13 +79,13 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
     for b in buckets:
         moved += sum(b.state.nbytes().values())
         # the whole old bucket (bucket coordinates) on every rank that shares the layout
-        full = exchange.gather_all(b, [b.state.master, *b.state.moments_fp32()])
+        full = exchange.gather_all(b, [b.state.master_fp32(), *b.state.moments_fp32()])
         for old in b.layout.slots:
             lay, new = home[old.index]
             if states[lay.index] is None:  # not zeroed: the first touch of each page is
                 # the copy below (zeroing first doubled the move's time, page faults)
                 states[lay.index] = empty_state(lay, dtype, pool=pool, state_dtype=state_dtype,
-                                                zero=False)
+                                                zero=False, master_dtype=master_dtype)
                 zero_gaps(lay, states[lay.index])
             own, mine = lay.owned(new)  # host slice of the new shard, slice of the param
             if own.start == own.stop:

@@ -1,7 +1,7 @@
 """What a bucket owns on the host, and what one accumulation window tracks about it.
 
-`HostState`: this rank's shard of the fp32 master weights, both Adam moments (fp32, bf16 or
-8-bit codes with block scales: `hf_zoffload.ops.moments`), and the gradient landing buffers
+`HostState`: this rank's shard of the fp32 master weights, both Adam moments (fp32, bf16, or
+8- or 4-bit codes with block scales: `hf_zoffload.ops.moments`), and the gradient landing buffers
 (`GradBuffers`), two sets of them with the delayed update, whose background step reads one set
 while the next backward fills the other. There is no separate buffer for the new params: the
 CPU-Adam writes them over the 16-bit gradients it has just read (`Bucket.out`), and the upload
@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.moments import QBLOCK, MomentFormat, moment_format
+from ..ops.masters import MasterFormat, master_format
+from ..ops.moments import MomentFormat, moment_format
 from .host import HostPool
 from .layout import BucketLayout
 from .support import set_local
@@ -38,27 +39,37 @@ class GradBuffers:
 
 @dataclass(eq=False)
 class HostState:
-    master: torch.Tensor  # fp32, (shard,)
-    exp_avg: torch.Tensor  # (shard,) in ``fmt.dtype``: fp32, bf16 or uint8 codes
+    master: torch.Tensor  # (shard,) in ``master_fmt.dtype``: fp32, or bf16 (master_dtype)
+    exp_avg: torch.Tensor  # (fmt.storage(shard),) in ``fmt.dtype``: fp32, bf16 or uint8 codes
     exp_avg_sq: torch.Tensor
     grads: GradBuffers
     fmt: MomentFormat  # how the moments are stored (state_dtype)
     scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 block scales, if fmt.scaled
     spare: GradBuffers | None = None  # the delayed update's second set, made on first use
+    master_fmt: MasterFormat = field(default_factory=lambda: master_format("fp32"))
+
+    def master_fp32(self) -> torch.Tensor:
+        """The master weights as fp32 (the buffer itself when fp32; a bf16 master widened,
+        exactly)."""
+        return self.master.float()
 
     def moments_fp32(self, lo: int = 0, hi: int | None = None):
         """(exp_avg, exp_avg_sq) of shard elements [lo, hi) as fp32 tensors (views for
-        fp32 state, decoded copies otherwise); ``lo`` starts a block for 8-bit state."""
+        fp32 state, decoded copies otherwise); ``lo`` starts a block for 8- / 4-bit state."""
         hi = self.master.numel() if hi is None else hi
-        return self.fmt.decode(self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.scales,
-                               lo // QBLOCK)
+        return self.fmt.decode(self.exp_avg, self.exp_avg_sq, self.scales, lo, hi)
 
     def set_moments(self, lo: int, m32: torch.Tensor, v32: torch.Tensor) -> None:
         """Shard elements [lo, lo + len) <- fp32 moments, encoded (rounded to bf16, or to
-        8-bit codes whose blocks start at ``lo``, a block start)."""
-        hi = lo + m32.numel()
-        self.fmt.encode(m32, v32, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.scales,
-                        lo // QBLOCK)
+        8- / 4-bit codes whose blocks start at ``lo``, a block start)."""
+        self.fmt.encode(m32, v32, self.exp_avg, self.exp_avg_sq, self.scales, lo)
+
+    def moment_parts(self, lo: int, hi: int):
+        """(exp_avg, exp_avg_sq, scales) as the kernel takes them for shard elements
+        [lo, hi), ``lo`` a block start for 8- / 4-bit state (scales from its block on)."""
+        f, b = self.fmt, lo // self.fmt.block
+        return (f.part(self.exp_avg, lo, hi), f.part(self.exp_avg_sq, lo, hi),
+                None if self.scales is None else (self.scales[0][b:], self.scales[1][b:]))
 
     def swap_grads(self, pool: HostPool, index: int) -> None:
         """The delayed update's background step keeps reading the current buffers; the
@@ -84,14 +95,16 @@ class HostState:
 
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
-                state_dtype: str | MomentFormat = "fp32", zero: bool = True) -> HostState:
+                state_dtype: str | MomentFormat = "fp32", zero: bool = True,
+                master_dtype: str | MasterFormat = "fp32") -> HostState:
     """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
     every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
     ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`)."""
     fmt, make = moment_format(state_dtype), torch.zeros if zero else torch.empty
-    state = HostState(master=make(layout.shard, dtype=torch.float32),
-                      exp_avg=make(layout.shard, dtype=fmt.dtype),
-                      exp_avg_sq=make(layout.shard, dtype=fmt.dtype),
+    mf = master_format(master_dtype)
+    state = HostState(master=make(layout.shard, dtype=mf.dtype), master_fmt=mf,
+                      exp_avg=make(fmt.storage(layout.shard), dtype=fmt.dtype),
+                      exp_avg_sq=make(fmt.storage(layout.shard), dtype=fmt.dtype),
                       grads=GradBuffers(0, pool.get(("grad16", 0), layout.index, dtype)),
                       fmt=fmt)
     if fmt.scaled:
@@ -101,28 +114,30 @@ def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
 
 def zero_gaps(layout: BucketLayout, state: HostState) -> None:
     """Zero every element of ``state`` outside this shard's params (alignment gaps, the
-    padding) and every 8-bit block scale with no param element in its block."""
+    padding) and every 8- / 4-bit block scale with no param element in its block."""
     covered = sorted((own.start, own.stop) for own, _ in map(layout.owned, layout.slots)
                      if own.start < own.stop)
-    at, blocks = 0, 0
+    at, blocks, fmt = 0, 0, state.fmt
     for lo, hi in [*covered, (layout.shard, layout.shard)]:
-        for t in (state.master, state.exp_avg, state.exp_avg_sq):
-            t[at:lo].zero_()
+        state.master[at:lo].zero_()
+        for t in (state.exp_avg, state.exp_avg_sq):
+            fmt.zero(t, at, lo)
         if state.scales is not None:
             for t in state.scales:
-                t[blocks:lo // QBLOCK].zero_()
-        at, blocks = max(at, hi), max(blocks, -(-hi // QBLOCK))
+                t[blocks:lo // fmt.block].zero_()
+        at, blocks = max(at, hi), max(blocks, -(-hi // fmt.block))
 
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          state_dtype: str | MomentFormat = "fp32",
+          state_dtype: str | MomentFormat = "fp32", master_dtype: str | MasterFormat = "fp32",
           flat: torch.Tensor | None = None) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
     or shared a storage with another param before (a DTensor param gets a new local tensor,
     support.set_local). Moments start at zero."""
-    state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype)
+    state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype,
+                        master_dtype=master_dtype)
     for s in layout.slots:
         shape = s.local().shape
         src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]

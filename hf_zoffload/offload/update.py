@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.cpu_adam import adam_update_unchecked
-from ..ops.moments import QBLOCK
+from ..ops.masters import step_key
 from .state import Bucket
 from .threads import host_threads
 
@@ -71,15 +71,34 @@ def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: flo
     return work
 
 
-def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float, float]:
+def run(work: list[Work], *, copier, threads: int, publish=None,
+        sr_seed: int = 0) -> tuple[float, float]:
     """Run the planned calls; after each bucket, ``publish(bucket, out)`` if given (async
     on CUDA: it overlaps the next bucket's update). Returns the seconds spent in the CPU-Adam
-    and in ``publish``. Every host pass here runs on ``threads`` threads."""
+    and in ``publish``. Every host pass here runs on ``threads`` threads. ``sr_seed``: the
+    stochastic rounding's seed of a bf16 master."""
     with host_threads(threads):
-        return _run(work, copier=copier, threads=threads, publish=publish)
+        return _run(work, copier=copier, threads=threads, publish=publish, sr_seed=sr_seed)
 
 
-def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, float]:
+def _calls(b: Bucket, r: Run, out: torch.Tensor | None, sr_seed: int):
+    """(a, z, out16, sr) per kernel call of run ``r``: host elements [a, z), where the new
+    16-bit params go, and a bf16 master's rounding key with the index of element a in its
+    param. One call per param in place (into its own storage) and with a bf16 master (its
+    key is per param: docs/design.md, "bf16 master"); else one for the run."""
+    lay, stochastic = b.layout, b.state.master_fmt.stochastic
+    if out is not None and not stochastic:
+        return [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi], None)]
+    calls = []
+    for s, i, j in lay.pieces(r.lo + lay.start, r.hi + lay.start):
+        a = s.offset + i - lay.start
+        dst = s.flat()[i:j] if out is None else out[a:a + j - i]
+        calls.append((a, a + j - i, dst,
+                      (step_key(sr_seed, r.step, s.index), i) if stochastic else None))
+    return calls
+
+
+def _run(work: list[Work], *, copier, threads: int, publish, sr_seed) -> tuple[float, float]:
     t_adam = t_publish = 0.0
     for b, grad, runs, out, present in work:
         s = b.state
@@ -89,21 +108,19 @@ def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, flo
             b.fill_absent(out, present)
         for r in runs:
             # In place, the new 16-bit values go straight into each param's own storage:
-            # one call per param (the kernel is bitwise the same for any split; with 8-bit
+            # one call per param (the kernel is bitwise the same for any split; with 8- / 4-bit
             # moments every param starts on a block, layout.py).
-            parts = b.layout.param_pieces(r.lo, r.hi) if out is None else \
-                [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi])]
             g = r.hyper
-            for a, z, out16 in parts:
+            for a, z, out16, sr in _calls(b, r, out, sr_seed):
                 # Unchecked: every buffer here was built and sized by this engine; the
                 # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
+                m, v, scales = s.moment_parts(a, z)
                 adam_update_unchecked(
-                    s.master[a:z], grad[a:z], s.exp_avg[a:z], s.exp_avg_sq[a:z],
+                    s.master[a:z], grad[a:z], m, v,
                     step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                     eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                    out16=out16, num_threads=threads,
-                    scales=None if s.scales is None else
-                    (s.scales[0][a // QBLOCK:], s.scales[1][a // QBLOCK:]))
+                    out16=out16, num_threads=threads, scales=scales, state_dtype=s.fmt.name,
+                    sr=sr)
         if out is not None:
             b.fill_from_master(out)  # fp32 compute: the upload reads pinned memory
         t1 = time.perf_counter()

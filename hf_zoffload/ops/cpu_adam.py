@@ -26,7 +26,8 @@ import warnings
 import torch
 
 from ._native import ext as _ext
-from .moments import QBLOCK, decode_reference, encode_reference, n_blocks, ratio_cap
+from .masters import MASK32, round_sr_reference
+from .moments import FORMATS, MomentFormat, moment_format, ratio_cap
 
 __all__ = [
     "adam_update",
@@ -39,7 +40,8 @@ __all__ = [
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # moments: fp32, bf16, 8-bit codes
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # moments: fp32, bf16, codes
+_BY_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
 _ISA_FLAGS = ("avx2", "avx512f", "f16c", "avx512_bf16")
 
 
@@ -158,28 +160,59 @@ def _check_buffer(name, t, dtypes, numel=None):
         raise ValueError(f"{name} has {t.numel()} elements, master has {numel}")
 
 
+def _format_of(exp_avg, state_dtype) -> MomentFormat:
+    """The moment format of a call: ``state_dtype`` if given (it must store in exp_avg's
+    dtype), else the one of exp_avg's dtype (uint8: int8)."""
+    if state_dtype is None:
+        if isinstance(exp_avg, torch.Tensor) and exp_avg.dtype in _BY_DTYPE:
+            return FORMATS[_BY_DTYPE[exp_avg.dtype]]
+        _check_buffer("exp_avg", exp_avg, _STATE_DTYPES)  # raises, naming the dtype
+    fmt = moment_format(state_dtype)
+    _check_buffer("exp_avg", exp_avg, (fmt.dtype,))
+    return fmt
+
+
 def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, beta2, eps,
                 weight_decay, grad_scale, adamw_mode, bias_correction, num_threads,
-                scales=None):
+                scales=None, state_dtype=None, sr=None):
     """Validate everything before any work; returns the scalars as floats."""
-    _check_buffer("master", master, (torch.float32,))
+    _check_buffer("master", master, (torch.float32, torch.bfloat16))
     n = master.numel()
+    if master.dtype == torch.bfloat16:
+        if not (isinstance(sr, (tuple, list)) and len(sr) == 2 and
+                all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MASK32
+                    for k in sr)):
+            raise ValueError("a bf16 master is rounded stochastically and needs sr=(key, "
+                             "index of element 0), two ints in [0, 2**32), got " + repr(sr))
+        if out16 is not None and out16.dtype != torch.bfloat16:
+            raise TypeError(f"out16 of a bf16 master must be bf16 (the master is what goes "
+                            f"up), got {out16.dtype}")
+    elif sr is not None:
+        raise ValueError("sr is for a bf16 master (stochastic rounding); master is float32")
     _check_buffer("grad", grad, _GRAD_DTYPES, n)
-    _check_buffer("exp_avg", exp_avg, _STATE_DTYPES, n)
-    _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
+    fmt = _format_of(exp_avg, state_dtype)
+    if fmt.storage(n) != n:  # 4-bit codes: two per byte
+        for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            _check_buffer(name, t, (fmt.dtype,))
+            if t.numel() != fmt.storage(n):
+                raise ValueError(f"{name} has {t.numel()} bytes; {n} elements of "
+                                 f"state_dtype={fmt.name!r} need {fmt.storage(n)}")
+    else:
+        _check_buffer("exp_avg", exp_avg, (fmt.dtype,), n)
+        _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
     named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    if exp_avg.dtype == torch.uint8:
+    if fmt.scaled:
         if not isinstance(scales, (tuple, list)) or len(scales) != 2:
-            raise ValueError("8-bit moments (uint8 exp_avg) need scales=(exp_avg scales, "
+            raise ValueError(f"{fmt.name} moments need scales=(exp_avg scales, "
                              f"exp_avg_sq scales), got {scales!r}")
         for name, t in zip(("scales[0]", "scales[1]"), scales):
             _check_buffer(name, t, (torch.float32,))
-            if t.numel() != n_blocks(n):
+            if t.numel() != fmt.n_scales(n):
                 raise ValueError(f"{name} has {t.numel()} elements; {n} elements in blocks "
-                                 f"of {QBLOCK} need {n_blocks(n)}")
+                                 f"of {fmt.block} need {fmt.n_scales(n)}")
         named += [("scales[0]", scales[0]), ("scales[1]", scales[1])]
     elif scales is not None:
-        raise ValueError(f"scales are for 8-bit moments; exp_avg is {exp_avg.dtype}")
+        raise ValueError(f"scales are for 8- and 4-bit moments; exp_avg is {exp_avg.dtype}")
     if out16 is not None:
         _check_buffer("out16", out16, _OUT_DTYPES, n)
         # the output may be the 16-bit grad buffer itself: each grad is read before its
@@ -202,8 +235,7 @@ def _check_args(master, grad, exp_avg, exp_avg_sq, out16, *, step, lr, beta1, be
     ):
         raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
     hyper = check_hyper(lr, (beta1, beta2), eps, weight_decay, beta_names=("beta1", "beta2"))
-    if exp_avg.dtype == torch.uint8:
-        ratio_cap(hyper[1], hyper[2])
+    fmt.check_betas(hyper[1], hyper[2])
     return (*hyper, _check_real("grad_scale", grad_scale))
 
 
@@ -211,32 +243,40 @@ def adam_update(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta
                 beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
                 adamw_mode: bool = True, bias_correction: bool = True,
                 out16: torch.Tensor | None = None, num_threads: int | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                state_dtype: str | None = None, sr: tuple[int, int] | None = None) -> None:
     """One Adam/AdamW step over flat CPU buffers, in one compiled pass (GIL released).
 
-    master: 1-D contiguous fp32, updated in place.  exp_avg, exp_avg_sq: 1-D contiguous, both
-    fp32, both bf16 (rounded to nearest even after the update) or both uint8: the 8-bit block
-    codes of `hf_zoffload.ops.moments`, with ``scales`` their two fp32 block-scale buffers.
+    master: 1-D contiguous fp32, updated in place; or bf16 (`hf_zoffload.ops.masters`),
+    updated in fp32 and rounded back stochastically with ``sr=(key, first)``: element i's
+    random bits from ``key`` and ``first + i`` (``masters.step_key``), out16 then bf16.
+    exp_avg, exp_avg_sq: 1-D contiguous, both fp32, both bf16 (rounded to nearest even after
+    the update) or both uint8: the 8-bit block codes of `hf_zoffload.ops.moments`, with
+    ``scales`` their two fp32 block-scale buffers, or with ``state_dtype="int4"`` its 4-bit
+    codes, two per byte (``ceil(n / 2)`` bytes each).
+    state_dtype: None takes the format from exp_avg's dtype (uint8: int8).
     grad: 1-D contiguous fp32/fp16/bf16, multiplied by ``grad_scale`` inside the pass.
     adamw_mode: decoupled decay (p *= 1 - lr*wd); else L2 (g += wd*p).  out16: optional
     fp16/bf16 buffer that receives the new master rounded to nearest even; it may be ``grad``
     itself.  num_threads: None means torch.get_num_threads().  Results are bitwise identical
-    for any num_threads and any split of the buffers (8-bit moments: any split on a block).
+    for any num_threads and any split of the buffers (8- and 4-bit moments: any split on a
+    block).
     """
     _update(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
             bias_correction=bias_correction, out16=out16, num_threads=num_threads,
-            scales=scales)
+            scales=scales, state_dtype=state_dtype, sr=sr)
 
 
 def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
             grad_scale=1.0, adamw_mode=True, bias_correction=True, out16=None, num_threads=None,
-            variant="auto", scales=None):
+            variant="auto", scales=None, state_dtype=None, sr=None):
     """adam_update with a choice of compiled variant (tests compare them bit for bit)."""
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
-        bias_correction=bias_correction, num_threads=num_threads, scales=scales)
+        bias_correction=bias_correction, num_threads=num_threads, scales=scales,
+        state_dtype=state_dtype, sr=sr)
     ext = _ext()
     _checked_variant()
     if variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[variant]):
@@ -244,16 +284,17 @@ def _update(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, w
     adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
                           beta2=beta2, eps=eps, weight_decay=wd, grad_scale=gs,
                           adamw_mode=adamw_mode, bias_correction=bias_correction, out16=out16,
-                          num_threads=num_threads, variant=variant, scales=scales)
+                          num_threads=num_threads, variant=variant, scales=scales,
+                          state_dtype=_format_of(exp_avg, state_dtype).name, sr=sr)
 
 
-_STATE_KIND = {torch.float32: 0, torch.bfloat16: 2, torch.uint8: 4}  # adam_kernel.h's kinds
+_STATE_KIND = {"fp32": 0, "bf16": 2, "int8": 4, "int4": 5}  # adam_kernel.h's kinds
 
 
 def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
                           weight_decay, grad_scale=1.0, adamw_mode=True, bias_correction=True,
                           out16=None, num_threads=None, variant="auto", scales=None,
-                          qblock=QBLOCK):
+                          qblock=None, state_dtype=None, sr=None):
     """`adam_update` without the argument checks, for a caller that validated its buffers
     once and calls many times (the engine: one call per param on the CPU, where the checks
     cost ~100 us a call, ~15 ms a step for GPT-2's 148 params). Bad arguments here are
@@ -263,6 +304,8 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
     n = master.numel()
     if n == 0:
         return
+    fmt = FORMATS[state_dtype or _BY_DTYPE[exp_avg.dtype]]
+    qblock = fmt.block if qblock is None else qblock
     # Scalars exactly as torch derives them in double before its kernels round them to fp32.
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
@@ -279,10 +322,11 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         grad_scale, 1.0 - lr * wd if adamw_mode else 1.0, wd,
         weight if small else weight - 1.0, beta2, 1.0 - beta2, 1.0 / bc2**0.5, eps, -(lr / bc1),
         torch.get_num_threads() if num_threads is None else num_threads,
-        ext.VARIANTS[variant], _STATE_KIND[exp_avg.dtype],
+        ext.VARIANTS[variant], _STATE_KIND[fmt.name],
         0 if scales is None else scales[0].data_ptr(),
         0 if scales is None else scales[1].data_ptr(), qblock,
         1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0, beta1, beta2**0.5,
+        master.data_ptr() if sr is not None else 0, *(sr or (0, 0)),
     )
 
 
@@ -291,21 +335,36 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
                           grad_scale: float = 1.0, adamw_mode: bool = True,
                           bias_correction: bool = True, out16: torch.Tensor | None = None,
                           num_threads: int | None = None,
-                          scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                          scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          state_dtype: str | None = None,
+                          sr: tuple[int, int] | None = None) -> None:
     """adam_update in plain torch ops, as torch.optim.Adam(W)'s single-tensor path writes them.
 
     Same validation and signature; num_threads is checked but has no effect on the result
     (every op is elementwise), so it does not change torch's global thread setting. bf16
-    moments are widened, updated as fp32 ones and rounded back. 8-bit moments follow the
-    kernel op for op (`moments.decode_reference`, the capped update, `encode_reference`), so
-    kernel and reference agree bit for bit there.
+    moments are widened, updated as fp32 ones and rounded back. 8- and 4-bit moments follow
+    the kernel op for op (the format's ``decode_reference``, the capped update, its
+    ``encode_reference``), so kernel and reference agree bit for bit there. A bf16 master is
+    widened, updated as an fp32 one and rounded back with `masters.round_sr_reference`.
     """
     lr, beta1, beta2, eps, wd, gs = _check_args(
         master, grad, exp_avg, exp_avg_sq, out16, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, adamw_mode=adamw_mode,
-        bias_correction=bias_correction, num_threads=num_threads, scales=scales)
-    if exp_avg.dtype != torch.float32:
-        _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, step=step, lr=lr,
+        bias_correction=bias_correction, num_threads=num_threads, scales=scales,
+        state_dtype=state_dtype, sr=sr)
+    if master.dtype == torch.bfloat16:
+        p32 = master.float()
+        adam_update_reference(p32, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=wd, grad_scale=gs,
+                              adamw_mode=adamw_mode, bias_correction=bias_correction,
+                              scales=scales, state_dtype=state_dtype)
+        master.copy_(round_sr_reference(p32, *sr))
+        if out16 is not None:
+            out16.copy_(master)
+        return
+    fmt = _format_of(exp_avg, state_dtype)
+    if fmt.name != "fp32":
+        _reference_compact(fmt, master, grad, exp_avg, exp_avg_sq, scales, out16, step=step, lr=lr,
                            beta1=beta1, beta2=beta2, eps=eps, wd=wd, gs=gs,
                            adamw_mode=adamw_mode, bias_correction=bias_correction)
         return
@@ -327,10 +386,10 @@ def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: f
 
 
 @torch.no_grad()
-def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step, lr, beta1,
-                       beta2, eps, wd, gs, adamw_mode, bias_correction):
-    """The reference over bf16 or 8-bit moments (validated by the caller)."""
-    if exp_avg.dtype != torch.uint8:
+def _reference_compact(fmt, master, grad, exp_avg, exp_avg_sq, scales, out16, *, step, lr,
+                       beta1, beta2, eps, wd, gs, adamw_mode, bias_correction):
+    """The reference over bf16, 8- or 4-bit moments (validated by the caller)."""
+    if not fmt.scaled:
         m, v = exp_avg.float(), exp_avg_sq.float()
         adam_update_reference(master, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2,
                               eps=eps, weight_decay=wd, grad_scale=gs, adamw_mode=adamw_mode,
@@ -344,8 +403,8 @@ def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step
         g = g.add(master, alpha=wd)
     # the kernel's m' = fma(1 - b1, g, b1 m), v' = fma((1 - b2) g, g, b2 v), its decayed moments
     # decoded with b1 and sqrt(b2) folded into the block scales (all four rounded to fp32)
-    m, v = decode_reference(exp_avg, exp_avg_sq, scales[0] * _f32(beta1),
-                            scales[1] * _f32(beta2**0.5))
+    m, v = fmt.decode_reference(exp_avg, exp_avg_sq, scales[0] * _f32(beta1),
+                                scales[1] * _f32(beta2**0.5), master.numel())
     m.addcmul_(g, torch.full_like(g, _f32(1.0 - beta1)))  # 1 * g exact: fma(g, 1 - b1, m)
     v.addcmul_(g, g, value=1.0 - beta2)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
@@ -356,6 +415,6 @@ def _reference_compact(master, grad, exp_avg, exp_avg_sq, scales, out16, *, step
     master.addcdiv_(m, d, value=-(lr / bc1))
     if out16 is not None:
         out16.copy_(master)
-    codes = encode_reference(m, v)
+    codes = fmt.encode_reference(m, v)
     for dst, src in zip((exp_avg, exp_avg_sq, *scales), codes):
         dst.copy_(src)

@@ -14,7 +14,10 @@ Rows per (size, threads):
   ours 16-bit        hf_zoffload adam_update, 16-bit grads in, 16-bit params out (28 B/param)
   ours ... over grads  the engine's call: the new 16-bit params written over the 16-bit grads
                      just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
-                     int8 (16 + 8 B per block of scales; one row per --qblocks block size)
+                     int8 (16 + 8 B per block of scales; one row per --qblocks block size),
+                     int4 (14 + 8 B per block of 128: two code nibbles per param); with a
+                     bf16 master (master_dtype bf16, stochastic rounding) and int8 / int4
+                     moments: 12 / 10 B (+ scales), the master read and written in 2 B
   int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
@@ -57,6 +60,7 @@ TORCH_FUSED = "torch AdamW(fused) fp32"
 TORCH_COMPOSED = "torch composed 16-bit"
 DS_FP32 = "DeepSpeedCPUAdam fp32"
 FP32_STATE = "ours fp32 state, out over grads"
+INT4_STATE = f"ours int4 state (block {mo.Q4BLOCK}), out over grads"
 # (column, reference row): each row's "vs" column is the reference's ms over the row's
 REFERENCES = [("vs torch fused", TORCH_FUSED), ("vs torch composed", TORCH_COMPOSED),
               ("vs DeepSpeed", DS_FP32), ("vs fp32 state", FP32_STATE)]
@@ -133,11 +137,12 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     add(FP32_STATE, ours(g, g), 28)
     mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
 
-    def compact(mm, vv, scales=None, qblock=mo.QBLOCK):
+    def compact(mm, vv, scales=None, qblock=mo.QBLOCK, state_dtype=None):
         def run():
             step[0] += 1
             ca.adam_update_unchecked(p, g, mm, vv, step=step[0], out16=g, num_threads=threads,
-                                     scales=scales, qblock=qblock, **HP)
+                                     scales=scales, qblock=qblock, state_dtype=state_dtype,
+                                     **HP)
         return run
 
     add("ours bf16 state, out over grads", compact(mb, vb), 20)
@@ -146,6 +151,25 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
         scales = (torch.zeros(-(-n // qb)), torch.zeros(-(-n // qb)))
         add(f"ours int8 state (block {qb}), out over grads", compact(mc, vc, scales, qb),
             16 + 16 / qb)
+    m4, v4 = (torch.zeros(mo.n_codes4(n), dtype=torch.uint8) for _ in range(2))
+    s4 = (torch.zeros(mo.n_blocks(n, mo.Q4BLOCK)), torch.zeros(mo.n_blocks(n, mo.Q4BLOCK)))
+    add(INT4_STATE, compact(m4, v4, s4, mo.Q4BLOCK, "int4"), 14 + 16 / mo.Q4BLOCK)
+    p16 = p.to(torch.bfloat16)  # a bf16 master: the new params also go to the grad buffer
+    g16b = g.to(torch.bfloat16)
+
+    def master16(mm, vv, scales, state_dtype):
+        def run():
+            step[0] += 1
+            ca.adam_update_unchecked(p16, g16b, mm, vv, step=step[0], out16=g16b,
+                                     num_threads=threads, scales=scales,
+                                     state_dtype=state_dtype, sr=(step[0], 0), **HP)
+        return run
+
+    sq = (torch.zeros(-(-n // mo.QBLOCK)), torch.zeros(-(-n // mo.QBLOCK)))
+    add("ours bf16 master + int8 state, out over grads",
+        master16(mc, vc, sq, "int8"), 12 + 16 / mo.QBLOCK)
+    add(f"ours bf16 master + int4 state (block {mo.Q4BLOCK}), out over grads",
+        master16(m4, v4, s4, "int4"), 10 + 16 / mo.Q4BLOCK)
     # Its fp32 "params" are the ceiling's first scratch array and its 16-bit "grads" o16, both
     # read by no Adam row, its codes two byte arrays of its own. It adds 1 to each: the scratch
     # grows by ~1 a round (and g32's ~0.01 from the ceiling), finite and never subnormal (a

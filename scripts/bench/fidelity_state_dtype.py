@@ -2,13 +2,20 @@
 """Train the quickstart model once per ``state_dtype`` (same seed, same data) and compare the
 train loss curves: the fidelity of compact Adam moments.
 
-Each run is `scripts/quickstart.sh` (its venv setup skipped) with ``--zero_offload_state_dtype``
-and the loss logged every ``--every`` steps. Prints a markdown table of the losses and the
-final loss of each mode relative to fp32; exits 1 when bf16 is off by more than
-``--bf16_tolerance`` or int8 by more than ``--int8_tolerance`` (relative, final logged loss).
-With ``--jobs N`` the runs go N at a time, each on its share of the cores (torch's threads and
-the engine's host threads).
-Usage: python scripts/bench/fidelity_state_dtype.py [--max_steps 300] [--every 50] [--jobs 3]
+Two scenarios (``--scenario``, default both):
+- quickstart: `scripts/quickstart.sh` (its venv setup skipped) from scratch for
+  ``--max_steps``, once per mode with ``--zero_offload_state_dtype``;
+- finetune: the quickstart model trained ``--max_steps`` with fp32 state and saved, then
+  ``--finetune_steps`` more from those weights at ``--finetune_lr`` (constant, fresh
+  optimizer, another data order: ``--seed 1``) once per mode, where small updates matter most.
+
+The loss is logged every ``--every`` steps. Prints a markdown table of the losses per scenario
+and the final logged loss of each mode relative to fp32; exits 1 when a mode is off by more
+than its tolerance (bf16 ``--bf16_tolerance``, int8 and int4 ``--int8_tolerance`` /
+``--int4_tolerance``).
+With ``--jobs N`` the runs of a scenario go N at a time, each on its share of the cores (torch's
+threads and the engine's host threads).
+Usage: python scripts/bench/fidelity_state_dtype.py [--max_steps 300] [--every 50] [--jobs 4]
 """
 
 from __future__ import annotations
@@ -23,14 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("fp32", "bf16", "int8")
+MODES = ("fp32", "bf16", "int8", "int4")
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def losses(mode: str, args, out_dir: str) -> list[float]:
+def losses(mode: str, args, out_dir: str, *, steps: int, extra=()) -> list[float]:
     env = dict(os.environ, QUICKSTART_SKIP_SETUP="1", PYTHON=sys.executable,
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     share = []
@@ -39,8 +46,8 @@ def losses(mode: str, args, out_dir: str) -> list[float]:
         env["OMP_NUM_THREADS"] = str(threads)
         share = ["--zero_offload_cpu_threads", str(threads)]
     cmd = ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--zero_offload_state_dtype", mode,
-           "--max_steps", str(args.max_steps), "--logging_steps", str(args.every),
-           "--do_eval", "false", "--output_dir", out_dir, *share, *args.extra]
+           "--max_steps", str(steps), "--logging_steps", str(args.every),
+           "--do_eval", "false", "--output_dir", out_dir, *share, *extra, *args.extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -50,43 +57,82 @@ def losses(mode: str, args, out_dir: str) -> list[float]:
         line = line.strip()
         if line.startswith("{") and "'loss'" in line:
             found.append(float(ast.literal_eval(line)["loss"]))
-    if len(found) != args.max_steps // args.every:
-        raise SystemExit(f"state_dtype={mode}: expected {args.max_steps // args.every} logged "
+    if len(found) != steps // args.every:
+        raise SystemExit(f"state_dtype={mode}: expected {steps // args.every} logged "
                          f"losses, found {len(found)}\n{text[-3000:]}")
     return found
+
+
+def report(title: str, curves: dict, every: int, tolerance: dict) -> bool:
+    modes = list(curves)
+    print(f"\n{title}\n")
+    print("| step | " + " | ".join(f"loss, {m} state" for m in modes) + " |")
+    print("|---:|" + "---:|" * len(modes))
+    for i in range(len(curves["fp32"])):
+        print(f"| {(i + 1) * every} | " + " | ".join(f"{curves[m][i]:.4f}" for m in modes)
+              + " |")
+    ref, ok = curves["fp32"][-1], True
+    for mode in modes[1:]:
+        rel, tol = (curves[mode][-1] - ref) / ref, tolerance[mode]
+        ok &= abs(rel) <= tol
+        print(f"final loss {mode} vs fp32: {rel:+.2%} (tolerance {tol:.0%}) "
+              f"{'ok' if abs(rel) <= tol else 'FAILED'}")
+    return ok
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max_steps", type=int, default=300)
     ap.add_argument("--every", type=int, default=50, help="logging interval in steps")
+    ap.add_argument("--scenario", choices=("quickstart", "finetune", "both"), default="both")
+    ap.add_argument("--finetune_steps", type=int, default=200)
+    ap.add_argument("--finetune_lr", type=float, default=2e-4)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma list of state_dtype modes, fp32 first ({', '.join(MODES)})")
     ap.add_argument("--bf16_tolerance", type=float, default=0.01)
     ap.add_argument("--int8_tolerance", type=float, default=0.02)
+    ap.add_argument("--int4_tolerance", type=float, default=0.02)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at a time, each with cores / jobs threads (at least 1)")
     ap.add_argument("extra", nargs="*", help="more run_clm.py arguments (after --)")
     args = ap.parse_args(argv)
-    if args.every < 1 or args.max_steps < args.every:
-        ap.error("--every must be >= 1 and <= --max_steps")
-    if not 1 <= args.jobs <= len(MODES):
-        ap.error(f"--jobs must be between 1 and {len(MODES)} (one run per mode), "
+    modes = args.modes.split(",")
+    if modes[0] != "fp32" or not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
+        ap.error(f"--modes: fp32 first, then any of {', '.join(MODES[1:])}; got {args.modes}")
+    for name in ("max_steps", "finetune_steps"):
+        if args.every < 1 or getattr(args, name) < args.every:
+            ap.error(f"--every must be >= 1 and <= --{name}")
+    if not 1 <= args.jobs <= len(modes):
+        ap.error(f"--jobs must be between 1 and {len(modes)} (one run per mode), "
                  f"got {args.jobs}")
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        runs = {mode: pool.submit(losses, mode, args, str(Path(tmp) / mode)) for mode in MODES}
-        curves = {mode: run.result() for mode, run in runs.items()}
-    print("| step | " + " | ".join(f"loss, {m} state" for m in MODES) + " |")
-    print("|---:|" + "---:|" * len(MODES))
-    for i in range(len(curves["fp32"])):
-        print(f"| {(i + 1) * args.every} | "
-              + " | ".join(f"{curves[m][i]:.4f}" for m in MODES) + " |")
-    ref = curves["fp32"][-1]
+    if not args.finetune_lr > 0:
+        ap.error(f"--finetune_lr must be > 0, got {args.finetune_lr}")
+    tolerance = {"bf16": args.bf16_tolerance, "int8": args.int8_tolerance,
+                 "int4": args.int4_tolerance}
     ok = True
-    for mode, tol in (("bf16", args.bf16_tolerance), ("int8", args.int8_tolerance)):
-        rel = abs(curves[mode][-1] - ref) / ref
-        ok &= rel <= tol
-        print(f"final loss {mode} vs fp32: {rel:+.2%} (tolerance {tol:.0%}) "
-              f"{'ok' if rel <= tol else 'FAILED'}")
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+
+        def each(folder, **kw):  # one run per mode, args.jobs at a time
+            runs = {m: pool.submit(losses, m, args, str(Path(tmp) / f"{folder}{m}"), **kw)
+                    for m in modes}
+            return {m: run.result() for m, run in runs.items()}
+
+        base = None
+        if args.scenario in ("quickstart", "both"):
+            curves = each("", steps=args.max_steps)
+            base = str(Path(tmp) / "fp32")  # the fp32 run's saved model
+            ok &= report(f"quickstart, {args.max_steps} steps from scratch", curves,
+                         args.every, tolerance)
+        if args.scenario in ("finetune", "both"):
+            if base is None:
+                base = str(Path(tmp) / "base")
+                losses("fp32", args, base, steps=args.max_steps)
+            tune = ["--model_name_or_path", base, "--learning_rate", str(args.finetune_lr),
+                    "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--seed", "1"]
+            curves = each("ft_", steps=args.finetune_steps, extra=tune)
+            ok &= report(f"fine-tune: {args.finetune_steps} steps at lr {args.finetune_lr:g} "
+                         f"from the fp32 run's {args.max_steps}", curves, args.every, tolerance)
     return 0 if ok else 1
 
 

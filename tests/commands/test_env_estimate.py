@@ -179,15 +179,36 @@ def test_estimate_says_which_state_dtype_fits(capsys, monkeypatch):
     assert main(["estimate", "--params", "7B", "--gpu_memory", "24GiB", "--host_memory",
                  "64GiB"]) == 0
     text = capsys.readouterr().out
-    assert "state_dtype=fp32  needs   91.27 GiB: DOES NOT FIT" in text
-    assert "state_dtype=bf16  needs   65.19 GiB: DOES NOT FIT" in text
-    assert "state_dtype=int8  needs   52.36 GiB: fits" in text
+    rows = {line.split(" needs")[0].strip(): line for line in text.splitlines()
+            if line.startswith("  master_dtype=")}
+    assert list(rows) == [f"master_dtype={ma} state_dtype={st}" for ma in ("fp32", "bf16")
+                          for st in ("fp32", "bf16", "int8", "int4")]  # bf16 compute: all 8
+    assert "needs   91.27 GiB: DOES NOT FIT" in rows["master_dtype=fp32 state_dtype=fp32"]
+    assert "needs   65.19 GiB: DOES NOT FIT" in rows["master_dtype=fp32 state_dtype=bf16"]
+    assert "needs   52.36 GiB: fits" in rows["master_dtype=fp32 state_dtype=int8"]
+    assert "needs   46.04 GiB: fits" in rows["master_dtype=fp32 state_dtype=int4"]
+    # 2 B/param less with a bf16 master: 5.06 B/param with int4 moments
+    assert "needs   33.00 GiB: fits" in rows["master_dtype=bf16 state_dtype=int4"]
+    # the most params each mode fits in 64 GiB: about 64 GiB / (14, ..., 7.06, ..., 5.06 B)
+    assert rows["master_dtype=fp32 state_dtype=fp32"].endswith(
+        "headroom -27.27 GiB; largest that fits: 4.91B params")
+    assert rows["master_dtype=fp32 state_dtype=int4"].endswith("largest that fits: 9.73B params")
+    assert rows["master_dtype=bf16 state_dtype=int4"].endswith("largest that fits: 13.57B params")
+    fp16 = main(["estimate", "--params", "7B", "--compute_dtype", "fp16", "--host_memory",
+                 "64GiB"])
+    assert fp16 == 0 and "master_dtype=bf16" not in capsys.readouterr().out  # bf16 only
     r = _json(capsys, "--params", "7B", "--state_dtype", "int8", "--host_memory", "64GiB")
     assert r["report"]["state_dtype"] == "int8" and r["fits"]["host_zero_offload"]["fits"]
     n = 7 * 10**9
     assert r["report"]["host"]["exp_avg"] == int((1 + 4 / 256) * n)  # codes + block scales
     assert {m: v["fit"]["fits"] for m, v in r["host_by_state_dtype"].items()} == \
-        {"fp32": False, "bf16": False, "int8": True}
+        {"fp32": False, "bf16": False, "int8": True, "int4": True}
+    for v in r["host_by_mode"]:  # the largest fits, one more does not
+        most, flags = v["largest_n_params"], ["--state_dtype", v["state_dtype"],
+                                              "--master_dtype", v["master_dtype"]]
+        need = [_json(capsys, "--params", str(k), *flags)["report"]["host_total"]
+                for k in (most, most + 1)]
+        assert need[0] <= 64 * 2**30 < need[1], v
 
 
 def test_estimate_never_downloads(capsys):
@@ -309,7 +330,8 @@ def test_estimate_reads_the_sidecar_env_calls_effective(tmp_path, monkeypatch, c
     assert main(["estimate", "--params", "7B", "--zoffload_config", str(other)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(
-        f"settings: state_dtype=fp32 (default), compute_dtype=bf16 (default), "
+        f"settings: state_dtype=fp32 (default), master_dtype=fp32 (default), "
+        f"compute_dtype=bf16 (default), "
         f"bucket_size_mb=32.0 (default), delayed_update=True ({other}), ")
     assert main(["estimate", "--params", "7B", "--zoffload_config", str(tmp_path / "no")]) == 2
     assert "--zoffload_config" in capsys.readouterr().err

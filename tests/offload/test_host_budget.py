@@ -17,17 +17,20 @@ def _layouts(n_params=10_000_000, bucket=2_000_000, world=1, align=1):
     return build_layouts(slots, bucket_numel=bucket, world=world, align=align)
 
 
-def _plugin(state="fp32", limit=0, delayed=False):
+def _plugin(state="fp32", limit=0, delayed=False, master="fp32"):
     return SimpleNamespace(state_dtype=state, host_memory_limit_bytes=limit,
-                           delayed_update=delayed)
+                           delayed_update=delayed, master_dtype=master)
 
 
-@pytest.mark.parametrize("state,per_param", [("fp32", 14), ("bf16", 10), ("int8", 8)])
-def test_needed_bytes_per_mode(state, per_param):
-    need = host_needed(_layouts(align=256 if state == "int8" else 1), param_dtype=torch.bfloat16,
-                       state_dtype=state, delayed_update=False, pinned=False)
-    total = sum(need.values())
-    assert per_param * 10_000_000 <= total <= per_param * 10_000_000 * 1.01
+@pytest.mark.parametrize("state,per_param,master", [
+    ("fp32", 14, "fp32"), ("bf16", 10, "fp32"), ("int8", 8 + 1 / 32, "fp32"),
+    ("int4", 7 + 1 / 16, "fp32"), ("int8", 6 + 1 / 32, "bf16"), ("int4", 5 + 1 / 16, "bf16")])
+def test_needed_bytes_per_mode(state, per_param, master):
+    align = {"int8": 256, "int4": 128}.get(state, 1)
+    need = host_needed(_layouts(align=align), param_dtype=torch.bfloat16, state_dtype=state,
+                       delayed_update=False, pinned=False, master_dtype=master)
+    total = sum(need.values())  # scales included: 2 x 4 B per block of 256 / 128
+    assert per_param * 10_000_000 <= total <= per_param * 10_000_000 * 1.001
     delayed = host_needed(_layouts(), param_dtype=torch.bfloat16, state_dtype="fp32",
                           delayed_update=True, pinned=False)
     assert delayed["grad_staging"] == 2 * 2 * 10_000_000  # the second set of landing buffers

@@ -79,7 +79,7 @@ def _steps(model, opt, data):
     return out
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
 def test_the_move_is_exact_in_every_state_dtype(state, compute):
     """A run that re-lays out after step 1 is bitwise a run built in the final order from
@@ -223,26 +223,34 @@ def test_the_old_pool_is_gone_before_the_new_one_is_allocated(monkeypatch, delay
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_zero_gaps_zeroes_exactly_what_no_param_covers(rank):
+@pytest.mark.parametrize("state", ["int8", "int4"])
+def test_zero_gaps_zeroes_exactly_what_no_param_covers(rank, state):
+    """Everything outside the params' elements and their blocks' scales is zeroed; a 4-bit
+    byte shared by a param's odd last element and the gap is the param's (its encode writes
+    the whole byte)."""
     from hf_zoffload.offload.host import HostPool
     from hf_zoffload.offload.layout import Slot, build_layouts
     from hf_zoffload.offload.state import empty_state, zero_gaps
+    from hf_zoffload.ops.moments import FORMATS
 
+    fmt = FORMATS[state]
     slots = [Slot(None, i, 0, 0, n) for i, n in enumerate((5, 300, 7, 1000, 33, 256))]
-    layouts = build_layouts(slots, bucket_numel=900, rank=rank, world=2, align=256)
+    layouts = build_layouts(slots, bucket_numel=900, rank=rank, world=2, align=fmt.align)
     pool = HostPool(layouts, pin=False)
     assert len(layouts) > 1
     for lay in layouts:
-        st = empty_state(lay, torch.bfloat16, pool=pool, state_dtype="int8", zero=False)
+        st = empty_state(lay, torch.bfloat16, pool=pool, state_dtype=state, zero=False)
         for t in (st.master, st.exp_avg, st.exp_avg_sq, *st.scales):
             t.fill_(7)
         zero_gaps(lay, st)
         for s in lay.slots:  # what the move writes: each param's elements, its blocks' scales
             own, _ = lay.owned(s)
-            for t in (st.master, st.exp_avg, st.exp_avg_sq):
-                assert (t[own] == 7).all()
-                t[own] = 0
+            assert (st.master[own] == 7).all()
+            st.master[own] = 0
+            for t in (st.exp_avg, st.exp_avg_sq):
+                assert (fmt.part(t, own.start, own.stop) == 7).all()
+                fmt.part(t, own.start, own.stop).zero_()
             for t in st.scales:
-                t[own.start // 256:-(-own.stop // 256)] = 0
+                t[own.start // fmt.block:-(-own.stop // fmt.block)] = 0
         for t in (st.master, st.exp_avg, st.exp_avg_sq, *st.scales):
             assert (t == 0).all()

@@ -1,5 +1,6 @@
-"""Compact Adam moments (``state_dtype`` bf16 / int8): the 8-bit block code against its torch
-reference, the kernel over compact moments against its reference and against fp64 Adam.
+"""Compact Adam moments (``state_dtype`` bf16 / int8 / int4): the 8- and 4-bit block codes
+against their torch references, the kernel over compact moments against its reference and
+against fp64 Adam.
 
 Bounds, derived from the code (hf_zoffload/ops/moments.py), for an element x of a block whose
 scale (largest magnitude) is s:
@@ -9,6 +10,12 @@ scale (largest magnitude) is s:
   So |x - dec| <= max(2^-4 |x|, 1.0625 * 2^-15 s) plus the decode's one fp32 rounding.
 - sqrt(exp_avg_sq) = u, 4 mantissa bits: |u - dec| <= max(2^-5 |u|, 1.03125 * 2^-15 s_u).
 - bf16: round to nearest even, 8 bits of mantissa: relative error <= 2^-9.
+- int4, exp_avg: sign + 3 exponent bits, values 2^-6 .. 1 of s, a factor 2 apart; rounding
+  on the float's bits puts the cut at 1.5 x a power of two: error <= |x| / 3 there; below
+  1.5 * 2^-7 * s, x becomes 0. So |x - dec| <= max(|x| / 3, 1.5 * 2^-7 s).
+- int4, u: 3 exponent bits and 1 mantissa bit (1, 1.5 x 2^e): half a step is 2^(e-2), at most
+  |u| / 4; below 1.25 * 2^-7 * s_u (halfway from 2^-7, code 0, to the smallest code 1.5 * 2^-7)
+  u becomes 0. So |u - dec| <= max(|u| / 4, 1.25 * 2^-7 s_u).
 """
 
 import math
@@ -42,8 +49,26 @@ def _encode(m, v):
     return out
 
 
-def _per_element(scales, n):
-    return scales.repeat_interleave(mo.QBLOCK)[:n]
+def _per_element(scales, n, block=mo.QBLOCK):
+    return scales.repeat_interleave(block)[:n]
+
+
+def _encode4(m, v):
+    n = m.numel()
+    out = (torch.empty(mo.n_codes4(n), dtype=torch.uint8),
+           torch.empty(mo.n_codes4(n), dtype=torch.uint8),
+           torch.empty(mo.n_blocks(n, mo.Q4BLOCK)), torch.empty(mo.n_blocks(n, mo.Q4BLOCK)))
+    mo.encode_moments4(m, v, *out)
+    return out
+
+
+def _coded(n, seed, state_dtype):
+    """[p, m codes, u codes, m scales, u scales] of a state Adam could reach."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = m * m * (1 + torch.rand(n, generator=gen)) * 4
+    return [p, *(_encode(m, v) if state_dtype == "int8" else _encode4(m, v))]
 
 
 @pytest.mark.parametrize("n", ODD_SIZES)
@@ -104,12 +129,64 @@ def test_nan_poisons_its_block_only():
     assert not dm[:mo.QBLOCK].isnan().any() and not dm[2 * mo.QBLOCK:].isnan().any()
 
 
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_codec4_equals_reference_and_round_trips(n):
+    m, v = _moments(n, seed=n)
+    m[::5] = 0.0
+    v[::3] = 0.0
+    m[1::97] = torch.tensor(1e-40)  # fp32 subnormals
+    v[2::89] = torch.tensor(1e-41)
+    codes = _encode4(m, v)
+    ref = mo.encode_reference4(m, v)
+    for a, b in zip(codes, ref):
+        assert torch.equal(a, b)
+    if n % 2:  # an odd count's last high nibble is 0
+        assert codes[0][-1] >> 4 == 0 and codes[1][-1] >> 4 == 0
+    dm, dv = mo.decode_moments4(*codes, n)
+    rm, rv = mo.decode_reference4(*ref, n)
+    assert torch.equal(dm, rm) and torch.equal(dv, rv)
+    again = _encode4(dm, dv)  # encode(decode(codes)) == codes: an exact resume
+    for a, b in zip(again, codes):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_codec4_error_within_the_derived_bound(n):
+    m, v = _moments(n, seed=n + 1)
+    mc, uc, sm, su = _encode4(m, v)
+    dm, dv = mo.decode_moments4(mc, uc, sm, su, n)
+    s = _per_element(sm, n, mo.Q4BLOCK)
+    bound = torch.maximum(m.abs() / 3, 1.5 * 2.0**-7 * s) * (1 + 2 * ULP)
+    assert ((dm - m).abs() <= bound).all()
+    u, du = v.double().sqrt(), dv.double().sqrt()
+    su_ = _per_element(su, n, mo.Q4BLOCK).double()
+    bound_u = torch.maximum(u / 4, 1.25 * 2.0**-7 * su_) * (1 + 4 * ULP)
+    assert ((du - u).abs() <= bound_u).all()
+    if n > mo.Q4BLOCK:  # the bound is tight: some elements use most of it
+        assert ((dm - m).abs() > 0.9 * bound).any()
+        assert ((du - u).abs() > 0.7 * bound_u).any()
+    blocks = m.abs().new_zeros(mo.n_blocks(n, mo.Q4BLOCK) * mo.Q4BLOCK)
+    blocks[:n] = m.abs()
+    assert torch.equal(sm, blocks.view(-1, mo.Q4BLOCK).amax(1))
+
+
+def test_codec4_signs_and_nibble_order():
+    """Element 2j in the low nibble of byte j; the sign bit 8 of an exp_avg code; a block's
+    largest element exact; 0.5 and -0.25 of it exact (powers of two)."""
+    n = mo.Q4BLOCK
+    m = torch.zeros(n)
+    m[0], m[1], m[2] = 1.0, -0.5, 0.25
+    v = torch.zeros(n)
+    v[0], v[3] = 4.0, 2.25  # u: 2 (the scale), 1.5 = 0.75 of it: 1.5 x 2^-1, exact
+    mc, uc, sm, su = _encode4(m, v)
+    assert (mc[0].item(), mc[1].item()) == (7 | (8 | 6) << 4, 5)
+    assert (uc[0].item() & 15, uc[1].item() >> 4) == (14, 13)
+    dm, dv = mo.decode_moments4(mc, uc, sm, su, n)
+    assert torch.equal(dm, m) and torch.equal(dv, v)
+
+
 def _int8_state(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randn(n, generator=gen)
-    m = torch.randn(n, generator=gen) * 1e-3
-    v = m * m * (1 + torch.rand(n, generator=gen)) * 4
-    return [p, *_encode(m, v)]
+    return _coded(n, seed, "int8")
 
 
 def _grad(n, dtype, seed):
@@ -127,44 +204,53 @@ def _step(fn, state, grad, out, *, step=3, **kw):
 @pytest.mark.parametrize("n", ODD_SIZES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("adamw_mode", [True, False])
-def test_int8_kernel_bitwise_equals_reference(n, grad_dtype, adamw_mode):
-    state = _int8_state(n, seed=n)
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_coded_kernel_bitwise_equals_reference(n, grad_dtype, adamw_mode, state_dtype):
+    state = _coded(n, n, state_dtype)
     grad = _grad(n, grad_dtype, seed=n + 7)
     ref = [t.clone() for t in state]
     out, out_ref = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    _step(ca.adam_update, state, grad, out, adamw_mode=adamw_mode)
-    _step(ca.adam_update_reference, ref, grad, out_ref, adamw_mode=adamw_mode)
+    _step(ca.adam_update, state, grad, out, adamw_mode=adamw_mode, state_dtype=state_dtype)
+    _step(ca.adam_update_reference, ref, grad, out_ref, adamw_mode=adamw_mode,
+          state_dtype=state_dtype)
     for a, b in zip([*state, out], [*ref, out_ref]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 def test_variants_threads_and_block_splits_are_bitwise_equal(variant, state_dtype):
+    """Every variant (on an AVX-512 machine avx512bf16 and native too: int4 has no fused
+    path and runs the portable body each one compiles) equals generic for any thread count
+    and split on blocks."""
     n = 100_003
     grad = _grad(n, torch.bfloat16, seed=1)
+    fmt = mo.FORMATS[state_dtype]
 
     def run(threads, splits, variant):
-        if state_dtype == "int8":
-            state = _int8_state(n, seed=2)
-        else:
+        if state_dtype == "bf16":
             p, m, v = _int8_state(n, seed=2)[0], *_moments(n, seed=3)
             state = [p, m.to(torch.bfloat16), v.to(torch.bfloat16)]
+        else:
+            state = _coded(n, 2, state_dtype)
         g = grad.clone()
         for lo, hi in zip(splits, splits[1:]):
-            sl = [t[lo:hi] for t in state[:3]]
+            sl = [state[0][lo:hi], fmt.part(state[1], lo, hi), fmt.part(state[2], lo, hi)]
             scales = None if state_dtype == "bf16" else \
-                (state[3][lo // mo.QBLOCK:], state[4][lo // mo.QBLOCK:])
+                (state[3][lo // fmt.block:], state[4][lo // fmt.block:])
             if scales is not None:  # the kernel's contract: a split starts on a block
-                scales = tuple(s[:mo.n_blocks(hi - lo)] for s in scales)
+                scales = tuple(s[:fmt.n_scales(hi - lo)] for s in scales)
             ca._update(*sl[:1], g[lo:hi], *sl[1:], step=5, lr=1e-3, weight_decay=0.01,
                        out16=g[lo:hi], num_threads=threads, variant=variant, scales=scales,
-                       **HP)  # the output over the grads, as the engine does
+                       state_dtype=state_dtype, **HP)  # the output over the grads, as the engine
         return [*state, g]
 
     base = run(1, [0, n], "generic")
     for threads, splits in [(2, [0, n]), (3, [0, n]), (2, [0, 40 * mo.QBLOCK, n]),
-                            (1, [0, mo.QBLOCK, 7 * mo.QBLOCK, n])]:
+                            (1, [0, mo.QBLOCK, 7 * mo.QBLOCK, n]),
+                            (2, [0, 3 * mo.Q4BLOCK, n])]:
+        if state_dtype == "int8" and splits[1] % mo.QBLOCK:
+            continue
         for a, b in zip(run(threads, splits, variant), base):
             assert torch.equal(a, b), (threads, splits)
 
@@ -184,7 +270,7 @@ def _specials(n, gen):
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:])
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 def test_special_values_bitwise_equal_to_generic(variant, state_dtype):
     """The fused paths' fallbacks (a NaN among 16 bf16 lanes; an int8 block with a NaN,
     negative or infinite scale, or inf / NaN in its new moments; any code byte) give the
@@ -196,8 +282,9 @@ def test_special_values_bitwise_equal_to_generic(variant, state_dtype):
     to NaN anyway."""
     n = 40 * mo.QBLOCK + 48  # the last block: 48 elements, a multiple of 16, not of 32
     gen = torch.Generator().manual_seed(21)
-    blk = torch.arange(n) // mo.QBLOCK
-    streams = 2 if state_dtype == "int8" else 4  # p, g (, m, v) get special values
+    fmt = mo.FORMATS[state_dtype]
+    blk = torch.arange(n) // fmt.block
+    streams = 4 if state_dtype == "bf16" else 2  # p, g (, m, v) get special values
     which = torch.where(blk % 4 == 2, torch.randint(0, streams, (n,), generator=gen), -1)
 
     def value(k, normal):
@@ -210,9 +297,9 @@ def test_special_values_bitwise_equal_to_generic(variant, state_dtype):
         v = value(3, torch.rand(n, generator=gen) * 1e-6).to(torch.bfloat16)
         state, scales = [p, m, v], False
     else:  # odd blocks: special scales (their p and g are plain), any code bytes everywhere
-        mc = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
-        uc = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
-        nb = mo.n_blocks(n)
+        mc = torch.randint(0, 256, (fmt.storage(n),), generator=gen, dtype=torch.uint8)
+        uc = torch.randint(0, 256, (fmt.storage(n),), generator=gen, dtype=torch.uint8)
+        nb = fmt.n_scales(n)
         sm, su = torch.rand(nb, generator=gen) * 1e-2, torch.rand(nb, generator=gen) * 1e-3
         for sc in (sm, su):
             sc[1::8], sc[3::8], sc[5::8] = float("nan"), float("inf"), 0.0
@@ -226,11 +313,11 @@ def test_special_values_bitwise_equal_to_generic(variant, state_dtype):
             out = torch.empty(n, dtype=torch.bfloat16) if separate else grad
             kw = dict(scales=(st[3], st[4])) if scales else {}
             ca._update(st[0], grad, st[1], st[2], step=4, lr=1e-3, weight_decay=0.01,
-                       out16=out, variant=var, **HP, **kw)
+                       out16=out, variant=var, state_dtype=state_dtype, **HP, **kw)
             if scales:  # the codes of a NaN block: see the docstring
                 for codes, sc in ((st[1], st[3]), (st[2], st[4])):
                     for b in sc.isnan().nonzero().flatten().tolist():
-                        codes[b * mo.QBLOCK:(b + 1) * mo.QBLOCK] = 0
+                        fmt.part(codes, b * fmt.block, (b + 1) * fmt.block).zero_()
             runs.append([t.view(torch.uint8) for t in (*st, out)])
         for a, b in zip(*runs):
             assert torch.equal(a, b), (state_dtype, separate)
@@ -255,19 +342,21 @@ def test_bf16_state_matches_reference_within_one_rounding():
         assert ((a.float() - b.float()).abs() <= 2.0**-8 * b.float().abs()).all()
 
 
-def test_ratio_cap_bounds_an_update_whose_sqrt_v_was_flushed():
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_ratio_cap_bounds_an_update_whose_sqrt_v_was_flushed(state_dtype):
     """A block holding one element with a huge second moment: the others' sqrt(v) are far
     below its 15 binades and decode to 0, while their first moments (in their own block
     ranges) survive. Uncapped, their update would be lr * m / eps ~ 1e5 lr; capped, it is at
     most exact Adam's worst case lr * R * sqrt(bc2) / bc1."""
-    n, lr, step = mo.QBLOCK, 1e-3, 10
+    fmt = mo.FORMATS[state_dtype]
+    n, lr, step = fmt.block, 1e-3, 10
     m = torch.full((n,), 1e-3)
     v = torch.full((n,), 1e-14)  # sqrt: 1e-7, 2^-33 of the huge element's 1e3: flushed
     v[0] = 1e6
-    p, mc, uc, sm, su = torch.zeros(n), *_encode(m, v)
-    assert (mo.decode_moments(mc, uc, sm, su)[1][1:] == 0).all()
+    p, mc, uc, sm, su = torch.zeros(n), *(_encode if state_dtype == "int8" else _encode4)(m, v)
+    assert (fmt.decode(mc, uc, (sm, su), 0, n)[1][1:] == 0).all()
     ca.adam_update(p, torch.zeros(n), mc, uc, step=step, lr=lr, weight_decay=0.0,
-                   scales=(sm, su), **HP)
+                   scales=(sm, su), state_dtype=state_dtype, **HP)
     r = mo.ratio_cap(HP["beta1"], HP["beta2"])
     bound = lr * r * math.sqrt(1 - HP["beta2"]**step) / (1 - HP["beta1"]**step)
     assert (p.abs() <= bound * (1 + 1e-5)).all()
@@ -294,15 +383,16 @@ def test_ratio_cap_is_exact_adams_bound():
             assert abs(m) <= r * math.sqrt(v) * (1 + 1e-12)
 
 
-def test_int8_refuses_betas_without_the_bound():
-    state = _int8_state(mo.QBLOCK, seed=0)
-    with pytest.raises(ValueError, match=r"beta1\*\*2 < beta2"):
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_coded_moments_refuse_betas_without_the_bound(state_dtype):
+    state = _coded(mo.QBLOCK, 0, state_dtype)
+    with pytest.raises(ValueError, match=rf"state_dtype='{state_dtype}' needs beta1\*\*2 < beta2"):
         ca.adam_update(state[0], torch.zeros(mo.QBLOCK), state[1], state[2], step=1, lr=1e-3,
                        beta1=0.99, beta2=0.95, eps=1e-8, weight_decay=0.0,
-                       scales=(state[3], state[4]))
+                       scales=(state[3], state[4]), state_dtype=state_dtype)
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int4"])
 def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
     """Each step from the stored (decoded) moments: the new param equals fp64 Adam on the
     same inputs to fp32 rounding, and the stored moments are fp64's within the code's bound."""
@@ -314,6 +404,10 @@ def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
         st = list(_encode(torch.zeros(n), torch.zeros(n)))
         decode = lambda: mo.decode_moments(*st)  # noqa: E731
         kw = lambda: dict(scales=(st[2], st[3]))  # noqa: E731
+    elif state_dtype == "int4":
+        st = list(_encode4(torch.zeros(n), torch.zeros(n)))
+        decode = lambda: mo.decode_moments4(*st, n)  # noqa: E731
+        kw = lambda: dict(scales=(st[2], st[3]), state_dtype="int4")  # noqa: E731
     else:
         st = [torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
         decode = lambda: (st[0].float(), st[1].float())  # noqa: E731
@@ -326,7 +420,10 @@ def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
         gd = g.double()
         m1 = b1 * m0 + (1 - b1) * gd
         v1 = b2 * v0 + (1 - b2) * gd * gd
-        u1 = (m1 / (1 - b1**step)) / ((v1 / (1 - b2**step)).sqrt() + eps)
+        # the ratio cap (it binds on 4-bit moments: a flushed sqrt(v) beside a kept m)
+        r = mo.ratio_cap(b1, b2)
+        u1 = (m1 / (1 - b1**step)) / (torch.maximum(v1.sqrt(), m1.abs() / r)
+                                      / math.sqrt(1 - b2**step) + eps)
         p1 = p0 * (1 - lr * wd) - lr * u1
         # fp32 arithmetic: a few ulps of the update (|u| <= R) and of p
         assert ((p.double() - p1).abs() <= 8 * ULP * (lr * u1.abs() + p1.abs()) + 1e-12).all()
@@ -334,6 +431,14 @@ def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
         if state_dtype == "bf16":
             assert ((dm - m1).abs() <= 2.0**-8 * m1.abs()).all()
             assert ((dv - v1).abs() <= 2.0**-8 * v1.abs()).all()
+        elif state_dtype == "int4":
+            sm = _per_element(st[2], n, mo.Q4BLOCK).double()
+            su = _per_element(st[3], n, mo.Q4BLOCK).double()
+            assert ((dm - m1).abs() <= torch.maximum(m1.abs() / 3, 1.5 * 2.0**-7 * sm)
+                    * (1 + 1e-5)).all()
+            u, du = v1.sqrt(), dv.sqrt()
+            assert ((du - u).abs() <= torch.maximum(u / 4, 1.25 * 2.0**-7 * su)
+                    * (1 + 1e-5)).all()
         else:
             sm = _per_element(st[2], n).double()
             su = _per_element(st[3], n).double()
