@@ -121,6 +121,8 @@ def engine_report(opt) -> dict:
     host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
+        if b.updater.on_device:  # counted on the device side: device_state_bytes
+            continue
         for kind, n in b.state.nbytes().items():
             host[kind] += n
     unreduced = 0
@@ -141,7 +143,8 @@ def engine_report(opt) -> dict:
     if on_cuda:
         host["grad_staging"] += unreduced
     device = {"params": trained + opt.n_frozen * w,
-              "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
+              "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced,
+              **device_state_bytes(opt)}
     n = sum(s.numel for b in opt.buckets for s in b.layout.slots)
     report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, param_bytes=w,
                          state_dtype=opt.plugin.state_dtype)
@@ -149,6 +152,15 @@ def engine_report(opt) -> dict:
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
     return report
+
+
+def device_state_bytes(opt) -> dict[str, int]:
+    """Bytes of the device buckets' state (``offload_fraction``): their fp32 master and
+    moments with the fp32 accumulation sum (``optimizer_state``), and their gradient
+    buffers, which stay on the device (``grad_resident``)."""
+    state = sum(n for b in opt.buckets if b.updater.on_device
+                for n in b.state.nbytes().values())
+    return {"optimizer_state": state, "grad_resident": sum(opt.host_pool.device_held().values())}
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,

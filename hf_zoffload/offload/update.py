@@ -12,8 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.cpu_adam import adam_update_unchecked
-from ..ops.moments import QBLOCK
 from .state import Bucket
 from .threads import host_threads
 
@@ -82,28 +80,12 @@ def run(work: list[Work], *, copier, threads: int, publish=None) -> tuple[float,
 def _run(work: list[Work], *, copier, threads: int, publish) -> tuple[float, float]:
     t_adam = t_publish = 0.0
     for b, grad, runs, out, present in work:
-        s = b.state
         copier.wait_uploaded(b.layout.index)  # its last upload has read `out`
         t0 = time.perf_counter()
         if out is not None:
             b.fill_absent(out, present)
         for r in runs:
-            # In place, the new 16-bit values go straight into each param's own storage:
-            # one call per param (the kernel is bitwise the same for any split; with 8-bit
-            # moments every param starts on a block, layout.py).
-            parts = b.layout.param_pieces(r.lo, r.hi) if out is None else \
-                [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi])]
-            g = r.hyper
-            for a, z, out16 in parts:
-                # Unchecked: every buffer here was built and sized by this engine; the
-                # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
-                adam_update_unchecked(
-                    s.master[a:z], grad[a:z], s.exp_avg[a:z], s.exp_avg_sq[a:z],
-                    step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                    eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                    out16=out16, num_threads=threads,
-                    scales=None if s.scales is None else
-                    (s.scales[0][a // QBLOCK:], s.scales[1][a // QBLOCK:]))
+            b.updater(b, grad, r, out, threads=threads)
         if out is not None:
             b.fill_from_master(out)  # fp32 compute: the upload reads pinned memory
         t1 = time.perf_counter()
