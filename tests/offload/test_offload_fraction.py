@@ -22,6 +22,7 @@ from hf_zoffload.ops.cpu_adam import adam_update
 from hf_zoffload.ops.device_adam import adam_update_device
 from tests._tiny import batches, decay_groups, tiny_gpt2
 from tests.offload import _dp_worker as w
+from tests.offload import _tp_worker as tpw
 from tests.offload.test_async_copier import _compare
 from tests.offload.test_engine import ATOL, LR, MAX_NORM, RTOL, _setup, _train
 
@@ -411,3 +412,28 @@ def test_two_ranks_split_their_shards_and_match_one_process(tmp_path):
             assert r0["memory"]["host"][k] == r1["memory"]["host"][k]
     host = [r0["memory"]["host"]["master"] for r0 in res[0]]
     assert host[0] == 0 and 0 < host[1] <= one["memory"]["host"]["master"] / 2
+
+
+# ---------------------------------------------------------- tensor parallel
+@pytest.mark.slow
+def test_tensor_parallel_ranks_split_their_local_buckets(tmp_path):
+    """tp=2 at fractions 0.5 and 0 against one process all on the host, every step; and a
+    one-process checkpoint (fraction 1) resumed by tp=2 at fraction 0.5 continues as the
+    uninterrupted run (tests/offload/test_tensor_parallel.py's model and data)."""
+    ckpt = str(tmp_path / "ckpt_tp1.pt")
+    one = tpw.train(0, 1, save_at=5, save=ckpt)
+    half = {"compute_dtype": "fp32", "offload_fraction": "0.5"}
+    jobs = [("train", {"plugin": half}),
+            ("train", {"plugin": {"compute_dtype": "fp32", "offload_fraction": "0"}}),
+            ("train", {"plugin": half, "start": 5, "load": ckpt})]
+    codes, _, res, errs = w.spawn("tests.offload._tp_worker:runs", str(tmp_path), jobs=jobs)
+    assert codes == [0, 0], "\n".join(errs)
+    for job, (r0, r1) in enumerate(zip(*res)):
+        ref = one["params"][5:] if job == 2 else one["params"]
+        assert len(r0["params"]) == len(ref)
+        for a, b, c in zip(r0["params"], r1["params"], ref):
+            for x, y, z in zip(a, b, c):
+                assert torch.equal(x, y)  # both ranks hold the same model
+                torch.testing.assert_close(x, z, atol=ATOL, rtol=RTOL)
+    full = res[0][1]["memory"]["host"]["master"]  # fraction 0: nothing on the host
+    assert full == 0 and res[0][0]["memory"]["device"]["optimizer_state"] > 0
