@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from .memory import human
+from .memory import DEVICE_STATE_BYTES, human
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,19 @@ logger = logging.getLogger(__name__)
 # batches may peak higher than the first. 10% covers those on a 40-80 GiB card; it is a
 # starting point until the GPU stage measures it (scripts/gpu_check.sh).
 SAFETY_MARGIN = 0.10
-# Device bytes per element of a device bucket: fp32 master and both moments (12), its grad
-# buffer in the compute dtype (2 or 4), and the fp32 sum when the window accumulates (4).
-_STATE_BYTES = 12
+
+
+def per_element(param_bytes: int, *, accumulates: bool, delayed: bool) -> int:
+    """Device bytes one element of a device bucket holds: fp32 master and moments (12), its
+    grad buffer in the compute dtype (two with the delayed update), the fp32 sum when the
+    window accumulates (4)."""
+    return DEVICE_STATE_BYTES + param_bytes * (2 if delayed else 1) + (4 if accumulates else 0)
+
+
+def auto_budget(peak: int, have: int) -> int:
+    """Device bytes `auto` gives the optimizer state: ``have`` less the margin, less the
+    peak the first step measured (with every bucket on the host)."""
+    return max(0, int(have * (1.0 - SAFETY_MARGIN)) - peak)
 
 
 def suffix(layouts, fits) -> frozenset[int]:
@@ -108,7 +118,7 @@ class AutoFraction(Placement):
         self.meter = meter
         self.limit = limit  # device_memory_limit in bytes; 0: the device's total
         self.budget: int | None = None  # device bytes the state may use, once decided
-        self.per_element = _STATE_BYTES
+        self.per_element = DEVICE_STATE_BYTES
         self.decision: str | None = None  # the log line, once decided
         self._figures = ""
         meter.reset()
@@ -130,9 +140,9 @@ class AutoFraction(Placement):
         peak, total = figures
         have, source = (self.limit, "device_memory_limit") if self.limit else \
             (total, "the device's total")
-        self.per_element = _STATE_BYTES + engine.dtype.itemsize + \
-            (4 if engine.accumulates else 0)
-        self.budget = max(0, int(have * (1.0 - SAFETY_MARGIN)) - peak)
+        self.per_element = per_element(engine.dtype.itemsize, accumulates=engine.accumulates,
+                                       delayed=engine.plugin.delayed_update)
+        self.budget = auto_budget(peak, have)
         self._figures = (f"first step peaked at {human(peak)} of {human(have)} ({source}), "
                          f"{SAFETY_MARGIN:.0%} kept free: {human(self.budget)} for optimizer "
                          f"state at {self.per_element} B/element")

@@ -9,15 +9,20 @@ bad values."""
 
 import copy
 import io
+import json
 import logging
+import os
 
+import accelerate.commands.config.config_args as config_args
 import pytest
 import torch
 from transformers import get_scheduler
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.commands.main import main
 from hf_zoffload.offload import fraction as frac_mod
 from hf_zoffload.offload.fraction import SAFETY_MARGIN, FixedFraction, suffix
+from hf_zoffload.offload.memory import estimate, estimate_with_fraction
 from hf_zoffload.ops.cpu_adam import adam_update
 from hf_zoffload.ops.device_adam import adam_update_device
 from tests._tiny import batches, decay_groups, tiny_gpt2
@@ -437,3 +442,48 @@ def test_tensor_parallel_ranks_split_their_local_buckets(tmp_path):
                 torch.testing.assert_close(x, z, atol=ATOL, rtol=RTOL)
     full = res[0][1]["memory"]["host"]["master"]  # fraction 0: nothing on the host
     assert full == 0 and res[0][0]["memory"]["device"]["optimizer_state"] > 0
+
+
+# ------------------------------------------------------------------- estimate
+def test_estimate_moves_the_state_to_the_device_by_the_fraction():
+    n = 10**9
+    whole = estimate_with_fraction(n, compute_dtype="bf16", offload_fraction=1.0)
+    assert whole == estimate(n, compute_dtype="bf16") | {"offload_fraction": 1.0}
+    half = estimate_with_fraction(n, compute_dtype="bf16", offload_fraction=0.5,
+                                  grad_accumulation=True)
+    assert half["host"]["master"] == 4 * n // 2 and half["host"]["exp_avg"] == 4 * n // 2
+    assert half["device"]["optimizer_state"] == (12 + 4) * n // 2  # + the fp32 sum
+    assert half["device"]["grad_resident"] == 2 * n // 2
+    none = estimate_with_fraction(n, compute_dtype="bf16", offload_fraction=0.0,
+                                  world_size=4, delayed_update=True)
+    assert none["host_total"] == 0 and none["device"]["grad_resident"] == 2 * 2 * n // 4
+    with pytest.raises(ValueError, match="offload_fraction 1.5: must be from 0 to 1"):
+        estimate_with_fraction(n, offload_fraction=1.5)
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "acc.yaml"))
+
+
+def test_estimate_says_what_auto_would_pick(clean_env, capsys):
+    n, gpu = 10**9, 12 * 2**30
+    assert main(["estimate", "--params", "1B", "--gpu_memory", "12GiB", "--offload_fraction",
+                 "auto", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    peak = estimate(n, compute_dtype="bf16", pinned=True)["device_total"]  # all on the host
+    budget = int(gpu * (1 - SAFETY_MARGIN)) - peak
+    on_device = budget // (12 + 2)
+    assert got["auto"]["fraction"] == pytest.approx(1 - on_device / n)
+    assert 0 < got["auto"]["fraction"] < 1
+    assert got["report"]["device"]["optimizer_state"] == pytest.approx(12 * on_device, rel=1e-6)
+    assert main(["estimate", "--params", "1B", "--gpu_memory", "12GiB",
+                 "--offload_fraction", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "offload_fraction auto would keep 0." in out and "(--gpu_memory)" in out
+    assert main(["estimate", "--params", "1B", "--offload_fraction", "auto"]) == 0
+    assert "give --gpu_memory to see what it would pick" in capsys.readouterr().out
+    assert main(["estimate", "--params", "1B", "--offload_fraction", "half"]) == 2
+    assert "'offload_fraction': 'half' is not allowed" in capsys.readouterr().out
