@@ -440,6 +440,7 @@ class ResidentCopier(Copier):
         self.inner.join_side()
 
     def after_landed(self, key: int, fn) -> None:
+        self.inner.join_side()  # the last landing may be a reduce-scatter's, side stream
         fn()
 
     def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
