@@ -95,6 +95,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     step i+1 runs on the params of step i-1: each gradient is applied one step late.
     ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` first finish a pending update.
 
+    Device buckets (``plugin.offload_fraction`` below 1, or ``auto``): the buckets of the
+    first layers in forward order keep fp32 master weights and moments on the params' device
+    and are updated there by torch's fused AdamW, their grads never leaving it; the rest as
+    above (docs/design.md, "Device buckets"). ``auto`` decides after the first step.
+
     Data parallel (torch.distributed initialized with N > 1 ranks, or ``process_group=``):
     every rank builds the engine over the same unwrapped params (no DDP), runs the same
     calls, ends each step with identical params and holds 1/N of the optimizer state.
