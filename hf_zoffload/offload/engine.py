@@ -153,6 +153,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         # re-layout, where `auto` decides from the first step's peak.
         self.placement = make_placement(plugin, self.device)
         self.accumulates = False  # a window summed several backwards (`auto` counts it)
+        self._stepped = False  # a step has ended (the first one's end decides `auto`)
         resident = self.placement.resident(layouts)
         needed = check_host_memory([lay for lay in layouts if lay.index not in resident],
                                    param_dtype=self.dtype, plugin=plugin,
@@ -361,11 +362,15 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         else:
             self._apply(norm, delayed=delayed)
         self._reset_window()
-        if not self.order.settled:  # the first step, on every rank alike
+        first, self._stepped = not self._stepped, True
+        if first:  # `auto` decides from this step's peak (also when a checkpoint set the order)
+            self.placement.first_step_done(self)
+        if not self.order.settled or first:  # on every rank alike
             # After _apply has returned: its plan held views of every landing buffer, and
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
-            self.placement.first_step_done(self)  # `auto` decides from this step's peak
-            self.set_bucket_order(self.order.arrived())
+            self.set_bucket_order(self.order.fill if self.order.settled
+                                  else self.order.arrived())
+        if first:
             self.placement.relaid([b.layout for b in self.buckets])
         self._t_step_end = time.perf_counter()
 

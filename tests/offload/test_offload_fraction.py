@@ -378,6 +378,23 @@ def test_auto_keeps_on_the_device_what_the_first_step_left_free(monkeypatch, cap
     assert opt.memory_report()["device"]["optimizer_state"] == 12 * n_dev
 
 
+def test_auto_decides_after_a_resume_too(monkeypatch):
+    """A checkpoint loaded before the first step settles the bucket order; `auto` must still
+    decide at the end of that step."""
+    monkeypatch.setattr(frac_mod, "DeviceMeter", lambda device: _Meter(1_600_000, 2_000_000))
+    model, opt = _trained("1", steps=2)
+    sd = _save(opt.state_dict())
+    m2 = tiny_gpt2()
+    m2.load_state_dict(model.state_dict())
+    o2 = _engine(m2, offload_fraction="auto")
+    o2.load_state_dict(sd)
+    assert _on_device(o2) == []
+    ids = batches(1)[0]
+    m2(input_ids=ids, labels=ids).loss.backward()
+    o2.step()
+    assert _on_device(o2) and o2.bucket_order == opt.bucket_order
+
+
 # --------------------------------------------------------------- bad values
 @pytest.mark.parametrize("value", [1.5, -0.1, "half", "nan", ""])
 def test_bad_fraction_is_one_line_naming_what_is_allowed(value):
