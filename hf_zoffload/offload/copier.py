@@ -9,7 +9,9 @@ bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
 bucket's params are all written on the side stream, `mark_ready(key)`; the compute stream then
 waits for the buckets a module uses (`wait_ready(keys)`, before its forward) or for all of
 them (`finish_uploads`). The stream rules are stated where each copy is queued
-(docs/design.md, "Stream rules").
+(docs/design.md, "Stream rules"). Device buckets (``offload_fraction``) copy nothing:
+`PlacedCopier`, which the engine holds, sends their keyed calls to a `ResidentCopier`
+(docs/design.md, "Device buckets").
 """
 
 from __future__ import annotations

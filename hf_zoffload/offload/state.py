@@ -6,7 +6,9 @@
 while the next backward fills the other. There is no separate buffer for the new params: the
 CPU-Adam writes them over the 16-bit gradients it has just read (`Bucket.out`), and the upload
 reads them from there. Buffers that device copies touch are views of the engine's `HostPool`
-(host.py), which counts them.
+(host.py), which counts them. A device bucket (``offload_fraction``) has the same state in
+fp32 on the params' device, its grad buffers device tensors from the same pool, and updates
+with `updaters.DEVICE_ADAM` (docs/design.md, "Device buckets").
 
 `Window`: per-bucket bookkeeping of one accumulation window (every backward since the last
 ``step()`` / ``zero_grad()``): docs/design.md, "Accumulation window".
