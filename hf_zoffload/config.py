@@ -32,9 +32,10 @@ NOT_SETTINGS = ("ENABLED", "CONFIG", "PORTABLE_BUILD", "NO_OPENMP")
 
 
 def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False, maximum=None,
-          exclusive_max=False, size=False):
+          exclusive_max=False, size=False, fraction=False):
     meta = {"help": help, "choices": choices, "minimum": minimum, "exclusive_min": exclusive_min,
-            "maximum": maximum, "exclusive_max": exclusive_max, "size": size}
+            "maximum": maximum, "exclusive_max": exclusive_max, "size": size,
+            "fraction": fraction}
     return field(default=default, metadata=meta)
 
 
@@ -115,6 +116,21 @@ class ZeroOffloadPlugin:
         "processes on this node.",
         size=True,
     )
+    offload_fraction: str = _knob(
+        "1",
+        "share of this process's optimizer state kept on the host, a number in [0, 1]; the "
+        "rest (the buckets of the first layers in forward order) keeps its fp32 master and "
+        "moments on the device and is updated there. auto: all on the host for the first "
+        "step, then as many buckets on the device as the memory that step left free holds "
+        "(the device's total or device_memory_limit, less a 10% margin).",
+        fraction=True,
+    )
+    device_memory_limit: str = _knob(
+        "0",
+        "device memory offload_fraction auto may plan with, with a unit (40GiB); 0: the "
+        "device's total. Only with offload_fraction auto.",
+        size=True,
+    )
     max_grad_norm: float = _knob(
         0.0, "clip the global gradient norm to this value; 0 disables clipping.", minimum=0.0
     )
@@ -155,6 +171,12 @@ class ZeroOffloadPlugin:
             raise ValueError(f"ZeRO-Offload settings 'init_scale' {self.init_scale!r} and "
                              f"'min_scale' {self.min_scale!r}: init_scale must be >= min_scale")
         self.check_master()
+        if self.device_memory_limit_bytes and self.offload_fraction != "auto":
+            raise ValueError(
+                f"ZeRO-Offload setting 'device_memory_limit' {self.device_memory_limit!r} "
+                f"applies only with offload_fraction auto, and offload_fraction is "
+                f"{self.offload_fraction}: set offload_fraction to auto, or unset "
+                "device_memory_limit")
 
     def check_master(self) -> None:
         """A bf16 master only with bf16 compute: the master is the device's param
@@ -165,6 +187,16 @@ class ZeroOffloadPlugin:
                 f"ZeRO-Offload settings 'master_dtype': 'bf16' needs compute_dtype bf16 (the "
                 f"bf16 master is the device's param), got compute_dtype "
                 f"{self.compute_dtype!r}; allowed with it: master_dtype fp32")
+
+    @property
+    def offload_fraction_value(self) -> float | None:
+        """``offload_fraction`` as a number in [0, 1]; None for ``auto``."""
+        return None if self.offload_fraction == "auto" else float(self.offload_fraction)
+
+    @property
+    def device_memory_limit_bytes(self) -> int:
+        """``device_memory_limit`` in bytes; 0 when not set."""
+        return parse_size(self.device_memory_limit, "device_memory_limit", zero_ok=True)
 
     @property
     def host_memory_limit_bytes(self) -> int:
@@ -297,10 +329,12 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
                 raise TypeError  # inf and nan: no setting means anything by them
         else:
             out = str(value).strip().lower()
+            if meta["fraction"]:
+                out = _fraction(name, value)
             if meta["size"]:  # the message shows the value as given, not lowercased
                 parse_size(str(value).strip(), f"ZeRO-Offload setting {name!r}:", zero_ok=True)
     except (TypeError, ValueError) as err:
-        if meta["size"]:
+        if meta["size"] or meta["fraction"]:
             raise ValueError(str(err)) from None
         raise ValueError(
             f"ZeRO-Offload setting {name!r}: {value!r} is not a valid {kind}"
@@ -324,6 +358,22 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; must be {bound}"
         )
     return out
+
+
+def _fraction(name: str, value: Any) -> str:
+    """``auto``, or a number in [0, 1] written as Python's shortest form ("0.5", "1")."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        x = float(text) if not isinstance(value, bool) else math.nan
+    except ValueError:
+        x = math.nan
+    if not 0.0 <= x <= 1.0:  # nan fails too
+        raise ValueError(f"ZeRO-Offload setting {name!r}: {value!r} is not allowed; allowed: "
+                         "a number from 0 to 1 (the share of the optimizer state kept on the "
+                         "host), or auto") from None
+    return format(x, "g")
 
 
 def check_values(values: dict, where) -> None:

@@ -369,16 +369,21 @@ stage race_sanitizer 20 race_sanitizer
 stage nccl_one_rank 11 gpu_test tests/gpu/test_nccl_one_rank.py::test_one_rank_nccl_group
 stage host_memory 9 gpu_test \
     tests/gpu/test_host_memory.py::test_pinned_allocator_holds_what_the_report_counts
-stage run_clm 25 gpu_test tests/gpu/test_clm_compare.py::test_run_clm_with_and_without_zero_offload
+# 19 s, not 25 (~15 s estimated, each run's limit 16 s): 6 s went to practicality's
+# offload_fraction rows (issue 25).
+stage run_clm 19 gpu_test tests/gpu/test_clm_compare.py::test_run_clm_with_and_without_zero_offload
 # 9 GiB: AMP AdamW is predicted to fit 1 layer of 4096 (0.46B params: 8.5 GiB at 18 B/param
 # and 0.75 GiB beside) and not 2 (11.9 GiB); zoffload 20 (4.3B), whose fp32-state probe
 # (59 GiB of host) and the next rung's int8 one (37 GiB) fit the 128 GiB host at once: one
 # round, ~25 s estimated. At 16 GiB the two would need 175 GiB, one after the other.
-stage size 40 "$PY" scripts/bench/gpu_size.py --cap_gib 9
+# 34 s, not 40: 6 s went to practicality's offload_fraction rows (issue 25).
+stage size 34 "$PY" scripts/bench/gpu_size.py --cap_gib 9
 # These two replace bench_offload.py --device cuda (the same ways on GPT-2-124M, 55 s): on a
 # 1.1B model the CPU-Adam's share of a step is what a user of offload meets.
-stage practicality 28 "$PY" scripts/bench/gpu_practicality.py \
-    --json "$SCRATCH/practicality.json"
+# +12 s for offload_fraction 0, 0.5 and auto (issue 25): three more ways of ~4 s each
+# estimated (fractions 0 and auto keep the state on the H200: fused AdamW, no CPU-Adam).
+stage practicality 40 "$PY" scripts/bench/gpu_practicality.py \
+    --json "$SCRATCH/practicality.json" --offload_fractions 0,0.5,auto
 stage peers 18 "$PY" scripts/bench/gpu_peers.py --wheels "$ROOT/wheels" \
     --against "$SCRATCH/practicality.json"
 # 100M fp16 elements: 4 buckets of the default 25M instead of 40. Per-bucket costs (launch,

@@ -232,7 +232,7 @@ def test_gpu_check_stages_figures_and_at_most_five_files(tmp_path):
     assert ("## kernel_tests\n\nnative build: variants here generic, native; auto runs native"
             "\nnative build: 298 passed in 6.00s\nportable build: variants here generic, "
             "native; auto runs native\nportable build: 298 passed in 6.00s\n") in summary
-    assert "## size\n\nsize figures, limit 40 s\n" in summary  # GPU_CHECK_STAGE_S
+    assert "## size\n\nsize figures, limit 34 s\n" in summary  # GPU_CHECK_STAGE_S
     assert "## practicality\n\npracticality figures\n" in summary
     assert "## peers\n\npeers figures\n" in summary
     assert "## bench_scaling\n\n| method | GB/s |\n| ours | 3000 |\n" in summary

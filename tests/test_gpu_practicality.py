@@ -56,6 +56,21 @@ def test_practicality_arguments_are_checked(capsys):
         with pytest.raises(SystemExit) as e:
             gpu_practicality.parse_args(bad)
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gpu_practicality.parse_args(["--offload_fractions", "0,half"])
+    assert e.value.code == 2 and "--offload_fractions: ZeRO-Offload setting 'offload_fraction'" \
+        in capsys.readouterr().err
+
+
+def test_practicality_runs_the_fractions_asked_for(capsys):
+    rc = gpu_practicality.main(["--device", "cpu", "--overrides", TINY + ",num_hidden_layers=1",
+                                "--batch", "2", "--seq", "16", "--warmup", "2", "--steps", "1",
+                                "--offload_fractions", "0,auto"])
+    assert rc == 0
+    rows = [x for x in capsys.readouterr().out.splitlines()
+            if x.startswith("summary: | ") and "tokens/s" not in x and "---" not in x]
+    assert [r[len("summary: "):].split(" | ")[0][2:] for r in rows][3:] == [
+        llama.ZOFFLOAD + gpu_practicality.FRACTION + f for f in ("0", "auto")]
 
 
 def test_practicality_runs_its_three_ways_on_the_cpu(tmp_path, capsys):

@@ -10,9 +10,10 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "hf_zoffload"
 # offload/ in dependency order: a file may import only files listed before it.
-OFFLOAD_ORDER = ["support", "layout", "host", "threads", "copier", "state", "exchange",
-                 "collectives", "partitioned", "tensor_parallel", "fsdp2", "delayed", "update",
-                 "params", "memory", "progress", "checkpoint", "hooks", "reorder", "engine"]
+OFFLOAD_ORDER = ["support", "layout", "host", "threads", "copier", "updaters", "state",
+                 "exchange", "collectives", "partitioned", "tensor_parallel", "fsdp2", "delayed",
+                 "update", "params", "memory", "fraction", "progress", "checkpoint", "hooks",
+                 "reorder", "engine"]
 
 
 def _module(path: Path) -> str:

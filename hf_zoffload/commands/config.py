@@ -186,6 +186,11 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         "(fp32/bf16/int8/int4)?")
     ask("host_memory_limit", "How much host memory may each process use for the optimizer "
         "state, with a unit (48GiB; 0: what the machine has available)?")
+    if ask("offload_fraction", "Which share of the optimizer state should stay on the host, "
+           "from 0 to 1 (the first layers' state is kept and updated on the GPU; auto: as "
+           "much on the GPU as the first step leaves free)?") == "auto":
+        ask("device_memory_limit", "How much GPU memory may auto plan with, with a unit "
+            "(40GiB; 0: the GPU's total)?")
     ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "
                       "model's: the fp32 master weights or the compute-dtype copy "
                       "(fp32/compute)?")

@@ -60,6 +60,11 @@ def add_parser(subparsers):
                    help="how the master weights are stored on the host (default: the effective "
                         "ZeRO-Offload config); bf16 needs compute_dtype bf16, and its host "
                         "rows are printed when the compute dtype is bf16")
+    p.add_argument("--offload_fraction", default=None,
+                   help="share of the optimizer state kept on the host, 0 to 1, or auto "
+                        "(default: the effective ZeRO-Offload config); the rest is counted "
+                        "on the GPU. auto: what it would pick for --gpu_memory (or "
+                        "device_memory_limit) with the model states counted here")
     p.add_argument("--tp_size", type=int, default=1,
                    help="tensor-parallel size: the params the model's tp plan shards count "
                         "1/tp per rank (needs MODEL, --model or --model_type); --num_gpus / "
@@ -161,8 +166,9 @@ def _fit(need: int, have: int | None) -> dict | None:
 
 # The settings the figures depend on, shown with where each came from.
 SHOWN_SETTINGS = ("state_dtype", "master_dtype", "compute_dtype", "bucket_size_mb",
-                  "delayed_update", "pin_memory")
-FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype", "master_dtype")
+                  "delayed_update", "pin_memory", "offload_fraction")
+FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype", "master_dtype",
+         "offload_fraction")
 
 
 def effective_plugin(args, environ=None):
@@ -187,8 +193,22 @@ def effective_plugin(args, environ=None):
     return plugin, where
 
 
+def auto_pick(n: int, world: int, *, peak: int, have: int, param_bytes: int,
+              accumulates: bool, delayed: bool) -> dict:
+    """What `offload_fraction: auto` would keep on the host: the engine's arithmetic
+    (`fraction.auto_budget`) with ``peak`` the device bytes of everything on the host."""
+    from hf_zoffload.offload.fraction import SAFETY_MARGIN, auto_budget, per_element
+
+    shard = -(-n // world)
+    per = per_element(param_bytes, accumulates=accumulates, delayed=delayed)
+    budget = auto_budget(peak, have)
+    on_device = min(shard, budget // per)
+    return {"fraction": 1.0 - on_device / shard if shard else 1.0, "budget": budget,
+            "have": have, "peak": peak, "bytes_per_element": per, "margin": SAFETY_MARGIN}
+
+
 def compute(args) -> dict:
-    from hf_zoffload.offload.memory import estimate
+    from hf_zoffload.offload.memory import estimate_with_fraction as estimate
 
     # Sizes first: a typo there fails before a model is built from its config.
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if args.gpu_memory else None
@@ -211,15 +231,28 @@ def compute(args) -> dict:
         n = parse_count(args.params) if args.params else count_params(cfg)
     frozen = parse_count(args.frozen_params)
 
-    def report_for(state_dtype, n=n, tp=tp, master_dtype=plugin.master_dtype):
+    fraction = plugin.offload_fraction_value  # None: auto, decided below
+
+    def report_for(state_dtype, n=n, tp=tp, fraction=None, master_dtype=plugin.master_dtype):
         return estimate(n, compute_dtype=plugin.compute_dtype,
                         bucket_size_mb=plugin.bucket_size_mb,
                         world_size=args.num_gpus // tp,
                         n_frozen=frozen, grad_accumulation=args.grad_accumulation,
                         delayed_update=plugin.delayed_update, pinned=plugin.pin_memory,
-                        state_dtype=state_dtype, master_dtype=master_dtype)
+                        state_dtype=state_dtype, master_dtype=master_dtype,
+                        offload_fraction=1.0 if fraction is None else fraction)
 
-    report = report_for(plugin.state_dtype)
+    picked = None
+    have = plugin.device_memory_limit_bytes or gpu
+    if fraction is None and have:
+        picked = auto_pick(n, args.num_gpus // tp,
+                           peak=report_for(plugin.state_dtype)["device_total"], have=have,
+                           param_bytes=plugin.torch_dtype.itemsize,
+                           accumulates=args.grad_accumulation, delayed=plugin.delayed_update)
+        picked["from"] = "device_memory_limit" if plugin.device_memory_limit_bytes \
+            else "--gpu_memory"
+        fraction = picked["fraction"]
+    report = report_for(plugin.state_dtype, fraction=fraction)
     # Every rank keeps its own shard on the one host: the machine holds num_gpus of them.
     host_all = report["host_total"] * args.num_gpus
     # every (master_dtype, state_dtype) this compute dtype allows (a bf16 master: bf16 only)
@@ -227,7 +260,8 @@ def compute(args) -> dict:
              if ma == "fp32" or plugin.compute_dtype == "bf16"]
 
     def all_ranks(ma, st, k=n):
-        return report_for(st, k, master_dtype=ma)["host_total"] * args.num_gpus
+        return report_for(st, k, fraction=fraction, master_dtype=ma)["host_total"] \
+            * args.num_gpus
 
     # per-rank local elements are not a model size under tensor parallelism: no largest there
     by_mode = [{"master_dtype": ma, "state_dtype": st, "host_total_all_ranks": all_ranks(ma, st),
@@ -242,7 +276,8 @@ def compute(args) -> dict:
     hint = None
     if gpu_fit and not gpu_fit["fits"] and cfg is not None:
         hint = _tp_hint(cfg, split, gpu, args.num_gpus, tp,
-                        lambda n, t: report_for(plugin.state_dtype, n, t)["device_total"])
+                        lambda n, t: report_for(plugin.state_dtype, n, t,
+                                                fraction)["device_total"])
     return {
         "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,
         "tp_split": split, "host_total_all_ranks": host_all,
@@ -253,6 +288,8 @@ def compute(args) -> dict:
             "host_total_all_ranks", "fit", "largest_n_params")} for r in mine},
         "host_by_mode": by_mode,
         "tp_hint": hint,
+        "auto": picked if plugin.offload_fraction == "auto" else None,
+        "auto_unsized": plugin.offload_fraction == "auto" and picked is None,
     }
 
 
@@ -334,6 +371,16 @@ def format_fits(result: dict) -> str:
     elif hint:
         lines.append(f"  hint: even --tp_size {hint['largest_tried']} leaves the GPU side short: "
                      f"{human(hint['need'])} per GPU")
+    auto = result.get("auto")
+    if auto:
+        lines.append(f"offload_fraction auto would keep {auto['fraction']:.3f} of the "
+                     f"optimizer state on the host: {human(auto['have'])} ({auto['from']}) "
+                     f"less {auto['margin']:.0%} less the {human(auto['peak'])} above leaves "
+                     f"{human(auto['budget'])} at {auto['bytes_per_element']} B/element "
+                     "(a run measures its activations too, so it keeps more on the host)")
+    elif result.get("auto_unsized"):
+        lines.append("offload_fraction auto: counted as 1 (all on the host); give "
+                     "--gpu_memory to see what it would pick")
     lines.append("host by mode (master weights and Adam moments):")
     for m in result["host_by_mode"]:
         f = m["fit"]

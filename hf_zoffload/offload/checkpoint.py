@@ -45,6 +45,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
         got = ex.gather(b, [b.state.master_fp32(), *b.state.moments_fp32()], to=to)
         if got is None:
             continue
+        got = [t.cpu() for t in got]  # a device bucket's state (offload_fraction) too
         for s in b.layout.slots:
             if opt.param_steps[s.index] == 0:
                 continue  # torch keeps no state for a param that never stepped
@@ -94,7 +95,8 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
     for b in opt.buckets:
         got = ex.gather(b, [b.state.master_fp32()], to=to)
         if got is not None:
-            parts += [(s, [got[0][s.offset:s.offset + s.numel]]) for s in b.layout.slots]
+            master = got[0].cpu()  # a device bucket's master too
+            parts += [(s, [master[s.offset:s.offset + s.numel]]) for s in b.layout.slots]
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
     masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.whole_tensors(parts))}
     trained = {id(s.param) for b in opt.buckets for s in b.layout.slots}

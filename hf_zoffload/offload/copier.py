@@ -9,7 +9,9 @@ bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
 bucket's params are all written on the side stream, `mark_ready(key)`; the compute stream then
 waits for the buckets a module uses (`wait_ready(keys)`, before its forward) or for all of
 them (`finish_uploads`). The stream rules are stated where each copy is queued
-(docs/design.md, "Stream rules").
+(docs/design.md, "Stream rules"). Device buckets (``offload_fraction``) copy nothing:
+`PlacedCopier`, which the engine holds, sends their keyed calls to a `ResidentCopier`
+(docs/design.md, "Device buckets").
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Copier(abc.ABC):
 
     # ------------------------------------------------------------- buffers
     @abc.abstractmethod
-    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
                       zero: bool) -> torch.Tensor:
         """A device buffer whose contents will be copied to the host buffer ``host()`` (a
         callable: the host buffer may be made on first use), zeroed if ``zero``."""
@@ -81,7 +83,7 @@ class Copier(abc.ABC):
 
     # ------------------------------------------------------- host to device
     @abc.abstractmethod
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
         """A device copy of ``host`` that the compute stream may add to at once."""
 
     @abc.abstractmethod
@@ -112,6 +114,12 @@ class Copier(abc.ABC):
         """The compute stream waits for every upload queued so far; returns the host
         seconds that took (about 0: the wait is queued on the device)."""
 
+    @abc.abstractmethod
+    def join_side(self) -> None:
+        """The compute stream waits for everything queued on the side stream so far (a
+        device-side wait, no host sync): before it reads a device buffer that side-stream
+        work wrote (a device bucket's reduce-scatter output)."""
+
     def device_times(self) -> dict[str, float]:
         """Seconds the device spent copying, by direction, since the last call ({} where
         copies are host work, timed by the engine)."""
@@ -132,7 +140,7 @@ class HostCopier(Copier):
     def forwards_wait(self) -> bool:
         return False
 
-    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
                       zero: bool) -> torch.Tensor:
         """``host()`` itself: hooks write straight into it, nothing is copied later."""
         buf = host()
@@ -148,7 +156,7 @@ class HostCopier(Copier):
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
         return host
 
     def wait_landed(self, key: int) -> None:
@@ -175,6 +183,9 @@ class HostCopier(Copier):
 
     def finish_uploads(self) -> float:
         return 0.0
+
+    def join_side(self) -> None:
+        pass
 
 
 class _HostWork:
@@ -245,7 +256,7 @@ class CudaCopier(Copier):
         self._ready: dict[int, torch.cuda.Event] = {}  # params written, not yet waited for
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
                       zero: bool) -> torch.Tensor:
         """A fresh device buffer from the caching allocator (``host`` is not called: the
         host buffer may never be needed): only buckets still collecting or in flight hold
@@ -311,7 +322,7 @@ class CudaCopier(Copier):
         for t in (src, *keep):
             t.record_stream(self.stream)
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
         """A device copy of ``host`` that the compute stream may add to (an fp32 sum of
         earlier micro-steps that this backward's grads join)."""
         buf = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
@@ -388,6 +399,156 @@ class CudaCopier(Copier):
             self._ready.clear()
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return time.perf_counter() - t0
+
+    def join_side(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class ResidentCopier(Copier):
+    """The copier of buckets whose state stays on the params' device (``offload_fraction``,
+    docs/design.md, "Device buckets"): their "host" buffers are device memory, so nothing is
+    copied. A device buffer is the bucket's own (``host()``); a landing is the buffer itself;
+    host work (the fold into the fp32 sum) and param writes run at once on the compute
+    stream, in order with the hooks and the device update. What orders streams is
+    ``inner``'s (the engine's copier): the side stream, the module waits, and `wait_landed`,
+    which makes the compute stream wait for side-stream work that wrote a device bucket (a
+    reduce-scatter's output and its check, data parallel)."""
+
+    def __init__(self, inner: Copier):
+        self.inner = inner
+
+    def updates_in_place(self, delayed: bool) -> bool:
+        return self.inner.updates_in_place(delayed)
+
+    def forwards_wait(self) -> bool:
+        return self.inner.forwards_wait()
+
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
+        buf = host()
+        return buf.zero_() if zero else buf
+
+    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.side_buffer(numel, dtype)
+
+    def side(self):
+        return self.inner.side()
+
+    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+
+    def wait_landed(self, key: int) -> None:
+        self.inner.join_side()
+
+    def after_landed(self, key: int, fn) -> None:
+        self.inner.join_side()  # the last landing may be a reduce-scatter's, side stream
+        fn()
+
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
+        layout.copy_to_params(src, layout.start)
+
+    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def wait_uploaded(self, key: int) -> None:
+        pass
+
+    def mark_ready(self, key: int) -> None:
+        self.inner.mark_ready(key)  # a data-parallel copy-out runs on the side stream
+
+    def wait_ready(self, keys) -> None:
+        self.inner.wait_ready(keys)
+
+    def finish_uploads(self) -> float:
+        return self.inner.finish_uploads()
+
+    def join_side(self) -> None:
+        self.inner.join_side()
+
+    def device_times(self) -> dict[str, float]:
+        return {}
+
+
+class PlacedCopier(Copier):
+    """The engine's copier with device buckets: each keyed call goes to the copier of its
+    bucket's placement (``inner`` for host buckets, a `ResidentCopier` for those in
+    ``resident``, set by `place` at each layout); stream-wide calls go to ``inner``. The
+    engine and its exchanges hold this one copier and never ask which bucket is where."""
+
+    def __init__(self, inner: Copier):
+        self.inner = inner
+        self.resident_copier = ResidentCopier(inner)
+        self.pinned = inner.pinned
+        self.resident: frozenset[int] = frozenset()
+
+    def place(self, resident) -> None:
+        """The bucket indices whose state is on the device (after a layout)."""
+        self.resident = frozenset(resident)
+
+    def _of(self, key: int) -> Copier:
+        return self.resident_copier if key in self.resident else self.inner
+
+    def __getattr__(self, name):  # the inner copier's own extras (a test copier's hooks)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def updates_in_place(self, delayed: bool) -> bool:
+        return self.inner.updates_in_place(delayed)
+
+    def forwards_wait(self) -> bool:
+        return self.inner.forwards_wait()
+
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
+        return self._of(key).device_buffer(key, numel, dtype, host, zero=zero)
+
+    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.side_buffer(numel, dtype)
+
+    def side(self):
+        return self.inner.side()
+
+    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
+        self._of(key).to_host(key, dst, src, *keep)
+
+    def wait_landed(self, key: int) -> None:
+        self._of(key).wait_landed(key)
+
+    def after_landed(self, key: int, fn) -> None:
+        self._of(key).after_landed(key, fn)
+
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
+        return self._of(key).to_device(key, host)
+
+    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
+        self._of(key).to_params(key, layout, src)
+
+    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._of(key).to_flat(key, dst, src)
+
+    def wait_uploaded(self, key: int) -> None:
+        self._of(key).wait_uploaded(key)
+
+    def mark_ready(self, key: int) -> None:
+        self.inner.mark_ready(key)
+
+    def wait_ready(self, keys) -> None:
+        self.inner.wait_ready(keys)
+
+    def finish_uploads(self) -> float:
+        return self.inner.finish_uploads()
+
+    def join_side(self) -> None:
+        self.inner.join_side()
+
+    def device_times(self) -> dict[str, float]:
+        return self.inner.device_times()
 
 
 def make_copier(device: torch.device, *, pin: bool, threads: int):

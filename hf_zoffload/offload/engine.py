@@ -35,8 +35,9 @@ from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
-from .copier import make_copier
+from .copier import PlacedCopier, make_copier
 from .delayed import DelayedUpdate
+from .fraction import make_placement
 from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
@@ -49,6 +50,7 @@ from .state import Bucket, SlotPlace, place
 from .support import check_clip_args, local, local_grad
 from .threads import bind_local_rank, cpu_threads, host_threads
 from .update import Work, plan, run
+from .updaters import DEVICE_ADAM, HOST_ADAM
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     new params are copied to the device at the next ``step()``. So the forward/backward of
     step i+1 runs on the params of step i-1: each gradient is applied one step late.
     ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` first finish a pending update.
+
+    Device buckets (``plugin.offload_fraction`` below 1, or ``auto``): the buckets of the
+    first layers in forward order keep fp32 master weights and moments on the params' device
+    and are updated there by torch's fused AdamW, their grads never leaving it; the rest as
+    above (docs/design.md, "Device buckets"). ``auto`` decides after the first step.
 
     Data parallel (torch.distributed initialized with N > 1 ranks, or ``process_group=``):
     every rank builds the engine over the same unwrapped params (no DDP), runs the same
@@ -142,7 +149,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         plugin.check_device(self.device.type)
         self.dtype = plugin.torch_dtype
         pin = self.device.type == "cuda" and plugin.pin_memory
-        self.copier = make_copier(self.device, pin=pin, threads=self.cpu_threads)
+        # Keyed calls of device buckets (offload_fraction) go to a copier that copies
+        # nothing (copier.ResidentCopier); the engine and the exchange never ask which.
+        self.copier = PlacedCopier(make_copier(self.device, pin=pin, threads=self.cpu_threads))
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
         self.exchange = make_exchange(process_group, slots=slots, model=model,
                                       device=self.device, copier=self.copier, dtype=self.dtype,
@@ -153,14 +162,21 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)), align=self.moments.align))
         layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
                                 world=self.exchange.world, **self.order.layout_args)
-        needed = check_host_memory(layouts, param_dtype=self.dtype, plugin=plugin,
+        # Which buckets keep their state on the device (fraction.py): chosen again at the
+        # re-layout, where `auto` decides from the first step's peak.
+        self.placement = make_placement(plugin, self.device)
+        self.accumulates = False  # a window summed several backwards (`auto` counts it)
+        self._stepped = False  # a step has ended (the first one's end decides `auto`)
+        resident = self.placement.resident(layouts)
+        needed = check_host_memory([lay for lay in layouts if lay.index not in resident],
+                                   param_dtype=self.dtype, plugin=plugin,
                                    pinned=pin, world=self.exchange.world)  # before allocating
         # Uploaded params: each module's forward waits for its own buckets only (they go up
         # in forward order), so the first layers compute while the last ones still upload.
         self.module_waits = ModuleWaits(self.copier) \
             if model is not None and self.copier.forwards_wait() else None
-        pool = HostPool(layouts, pin=pin)
-        buckets = self._place(layouts, pool, needed)
+        pool = HostPool(layouts, pin=pin, device_buckets=resident, device=self.device)
+        buckets = self._place(layouts, pool, needed, resident)
         self.exchange.placed()  # FSDP2 re-reads the params' new local tensors (fsdp2.py)
         self._install(pool, buckets)
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
@@ -206,6 +222,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def _install(self, pool: HostPool, buckets: list[Bucket]) -> None:
         """Buckets (new, or re-laid out) and the pool their landing buffers come from."""
         self.host_pool, self.buckets = pool, buckets
+        self.copier.place(b.layout.index for b in buckets if b.updater.on_device)
         self.exchange.attach(buckets, self._check, pool)
         self._where = {s.param: SlotPlace(b, i, s.offset, s.offset + s.numel)
                        for b in buckets for i, s in enumerate(b.layout.slots)}
@@ -213,9 +230,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.module_waits.follow(buckets)
         self._watch = ParamWatch(buckets)
 
-    def _place(self, layouts, pool: HostPool, needed: dict[str, int]) -> list[Bucket]:
+    def _place(self, layouts, pool: HostPool, needed: dict[str, int],
+               resident=frozenset()) -> list[Bucket]:
         """The host state of every bucket from the params' values (each param then becomes
-        its compute-dtype copy), logged with its size and seconds: seconds per GiB."""
+        its compute-dtype copy), logged with its size and seconds: seconds per GiB. The
+        buckets in ``resident`` keep fp32 state on the device instead."""
         landing = sum(v for k, v in needed.items() if k.startswith("grad_"))
         progress = Progress(logger, "allocating the host state", sum(needed.values()),
                             detail=f"{human(landing)} of grad landing buffers"
@@ -223,11 +242,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         buckets, own = [], 0
         with host_threads(self.cpu_threads):
             for lay in layouts:
+                on = lay.index in resident
                 buckets.append(Bucket(lay, place(
-                    lay, self.dtype, self.device, pool=pool, state_dtype=self.moments,
-                    master_dtype=self.masters,
-                    flat=self.exchange.initial_values(lay))))
-                own += sum(buckets[-1].state.nbytes().values())
+                    lay, self.dtype, self.device, pool=pool,
+                    state_dtype="fp32" if on else self.moments,
+                    master_dtype="fp32" if on else self.masters,
+                    flat=self.exchange.initial_values(lay), on_device=on),
+                    updater=DEVICE_ADAM if on else HOST_ADAM))
+                own += 0 if on else sum(buckets[-1].state.nbytes().values())
                 progress.at(own + sum(pool.held().values()))  # the pool: on first use
         progress.done(f"pinning {pool.alloc_seconds:.2f} s" if pool.pin else "")
         return buckets
@@ -303,6 +325,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.copier.wait_landed(b.layout.index)
         self.timings["grad_wait"] = time.perf_counter() - t0
         accumulated = any(b.window.landed > 1 for b in live)
+        self.accumulates = self.accumulates or accumulated
         for b in live:
             if b.window.landed > 1:
                 b.state.grads.acc.add_(b.window.last)
@@ -366,10 +389,16 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         else:
             self._apply(norm, delayed=delayed)
         self._reset_window()
-        if not self.order.settled:  # the first step, on every rank alike
+        first, self._stepped = not self._stepped, True
+        if first:  # `auto` decides from this step's peak (also when a checkpoint set the order)
+            self.placement.first_step_done(self)
+        if not self.order.settled or first:  # on every rank alike
             # After _apply has returned: its plan held views of every landing buffer, and
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
-            self.set_bucket_order(self.order.arrived())
+            self.set_bucket_order(self.order.fill if self.order.settled
+                                  else self.order.arrived())
+        if first:
+            self.placement.relaid([b.layout for b in self.buckets])
         self._t_step_end = time.perf_counter()
 
     def _apply(self, norm: float, *, delayed: bool) -> None:
@@ -487,10 +516,15 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Fill the buckets in ``order`` (param indices; trainable params missing from it
         follow in their current order, others are ignored), moving the host state; the
         first backward's order is then no longer adopted. With N ranks a collective; the
-        first rank's order wins. Between steps only (checkpoints call it when loading)."""
+        first rank's order wins. Between steps only (checkpoints call it when loading).
+        Also moves state between host and device when the placement now wants other
+        device buckets (`auto`, after the first step)."""
         order = self.order.resolve(order, self.exchange)
         if order is None:
-            return
+            layouts = [b.layout for b in self.buckets]
+            if self.placement.resident(layouts) == self.copier.resident:
+                return
+            order = self.order.fill
         self._drain()
         for b in self.buckets:  # no copy may still use the old buffers
             self.copier.wait_landed(b.layout.index)
@@ -507,6 +541,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self.buckets, order, exchange=self.exchange, dtype=self.dtype,
                 state_dtype=self.moments, master_dtype=self.masters, pin=pin,
                 progress=progress,
+                resident_of=self.placement.resident, device=self.device,
                 **self.order.layout_args)
         self.order.fill = order
         self._install(pool, buckets)

@@ -138,7 +138,7 @@ class LocalExchange(Exchange):
         b.add_last_to_sum(self.copier)  # on the CPU the buffer below is grad16 itself
         g16 = b.state.grads.grad16
         # Zeroed: params that get no grad in this backward keep their place.
-        b.window.open(self.copier.device_buffer(g16.numel(), g16.dtype, lambda: g16,
+        b.window.open(self.copier.device_buffer(b.layout.index, g16.numel(), g16.dtype, lambda: g16,
                                                 zero=True))
 
     def flush(self, b: Bucket) -> None:

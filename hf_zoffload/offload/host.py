@@ -59,11 +59,19 @@ class HostPool:
     """Host buffers by kind, one view per bucket, each kind allocated on its first use for
     all buckets at once. ``pin`` asks for page-locked memory (truly asynchronous copies);
     if that fails (e.g. RLIMIT_MEMLOCK in a container) the pool falls back to pageable
-    memory, logs why once, and says so in ``pageable_reason``."""
+    memory, logs why once, and says so in ``pageable_reason``.
 
-    def __init__(self, layouts: list[BucketLayout], *, pin: bool):
+    The buckets in ``device_buckets`` keep their state on ``device`` (``offload_fraction``):
+    their buffers are device tensors, one per bucket from the device's allocator, counted
+    apart (`device_held`)."""
+
+    def __init__(self, layouts: list[BucketLayout], *, pin: bool, device_buckets=(),
+                 device: torch.device | None = None):
         self.layouts = layouts
         self.pin = pin
+        self.device_buckets = frozenset(device_buckets)
+        self.device = device
+        self._device_held: dict[tuple, int] = {}
         self.pageable_reason: str | None = None
         self.alloc_seconds = 0.0  # spent allocating blocks: pinning is most of it on CUDA
         self._views: dict[tuple, list[torch.Tensor]] = {}
@@ -80,15 +88,20 @@ class HostPool:
         numels = [lay.padded if full else lay.shard for lay in self.layouts]
         size = torch.tensor([], dtype=dtype).element_size()
         views: list[torch.Tensor | None] = [None] * len(numels)
+        on_host = [i for i in range(len(numels)) if i not in self.device_buckets]
         held = 0
-        for nbytes, placed in plan_blocks([n * size for n in numels], pinned=self.pin):
+        for nbytes, placed in plan_blocks([numels[i] * size for i in on_host], pinned=self.pin):
             t0 = time.perf_counter()
             block = self._block(nbytes)
             self.alloc_seconds += time.perf_counter() - t0
             held += nbytes
-            for i, at in placed:
+            for j, at in placed:
+                i = on_host[j]
                 views[i] = block[at:at + numels[i] * size].view(dtype)
+        for i in sorted(self.device_buckets):
+            views[i] = torch.empty(numels[i], dtype=dtype, device=self.device)
         self._views[kind], self._held[kind] = views, held
+        self._device_held[kind] = sum(numels[i] for i in self.device_buckets) * size
 
     def _block(self, nbytes: int) -> torch.Tensor:
         if self.pin and self.pageable_reason is None:
@@ -102,5 +115,9 @@ class HostPool:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def held(self) -> dict[tuple, int]:
-        """Bytes allocated, by kind (block sizes: for pinned memory, what torch holds)."""
+        """Host bytes allocated, by kind (block sizes: for pinned memory, what torch holds)."""
         return dict(self._held)
+
+    def device_held(self) -> dict[tuple, int]:
+        """Bytes of the device buckets' buffers, by kind."""
+        return dict(self._device_held)

@@ -101,6 +101,40 @@ def estimate(
                    state_dtype=state_dtype, master_dtype=master.name)
 
 
+# Device bytes per element of a device bucket (offload_fraction): fp32 master and both moments
+# (their state_dtype is fp32 on the device, docs/design.md "Device buckets"); the fp32
+# accumulation sum when micro-steps are summed; its grad buffer (compute dtype) apart.
+DEVICE_STATE_BYTES = 12
+
+
+def estimate_with_fraction(n_params: int, *, offload_fraction: float = 1.0, **kwargs) -> dict:
+    """`estimate()` with ``offload_fraction`` of each rank's shard on the host and the rest
+    in device buckets (``kwargs``: estimate's). The split is by elements; the engine splits
+    by whole buckets and keeps at least the fraction on the host, so its host figure is up
+    to one bucket larger. Device buckets hold ``optimizer_state`` (12 B/element, +4 with
+    accumulation) and ``grad_resident`` (their grads, which never leave the device: the
+    compute dtype, twice with the delayed update)."""
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"offload_fraction {offload_fraction!r}: must be from 0 to 1")
+    world = kwargs.get("world_size", 1)
+    report = estimate(n_params, **kwargs)
+    shard = -(-n_params // max(1, world))
+    on_host = min(shard, -(-int(round(offload_fraction * shard * 1e6)) // 10**6))
+    host = estimate(on_host * world, **kwargs)["host"]
+    on_device = shard - on_host
+    w = _DTYPE_BYTES[kwargs.get("compute_dtype", "bf16")]
+    report["host"] = host
+    if on_device:  # else estimate()'s figures as they are
+        report["device"]["optimizer_state"] = on_device * (
+            DEVICE_STATE_BYTES + (4 if kwargs.get("grad_accumulation") else 0))
+        report["device"]["grad_resident"] = on_device * w * (
+            2 if kwargs.get("delayed_update") else 1)
+    report["device_total"] = sum(report["device"].values())
+    report["host_total"] = sum(host.values())
+    report["offload_fraction"] = on_host / shard if shard else 1.0
+    return report
+
+
 def _finish(device: dict, host: dict, *, n_params: int, n_frozen: int, frozen: dict,
             state_dtype: str, master_dtype: str):
     return {
@@ -201,6 +235,8 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
+        if b.updater.on_device:  # counted on the device side: device_state_bytes
+            continue
         for kind, n in b.state.nbytes().items():
             host[kind] += n
     held = opt.host_pool.held()
@@ -229,7 +265,8 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
         host["grad_staging"] += unreduced
     frozen = frozen_bytes(opt.frozen)
     device = {"params": trained + sum(frozen.values()),
-              "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced}
+              "grad_buckets": min(2 * largest, trained) if on_cuda else unreduced,
+              **device_state_bytes(opt)}
     if opt.exchange.params_on_host:  # FSDP2's sharded 16-bit params: this rank's, on the
         # host; what FSDP2 streams to the device is not the engine's to count
         host["params"], device["params"] = trained, opt.n_frozen * w
@@ -237,6 +274,9 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     report = make_report(device, host, n_params=n, n_frozen=opt.n_frozen, frozen=frozen,
                          state_dtype=opt.plugin.state_dtype,
                          master_dtype=opt.plugin.master_dtype)
+    shards = sum(b.layout.shard for b in opt.buckets)
+    report["offload_fraction"] = 1.0 - sum(b.layout.shard for b in opt.buckets
+                                           if b.updater.on_device) / max(1, shards)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
@@ -271,6 +311,15 @@ def _accumulation_line(opt) -> str:
                 "their fp32 sum)" + (", an fp32 landing buffer per shard and set of grad "
                                      "buffers" if opt.dtype.itemsize != 4 else ""))
     return f"{what}: {human(sum(need.values()))}"
+
+
+def device_state_bytes(opt) -> dict[str, int]:
+    """Bytes of the device buckets' state (``offload_fraction``): their fp32 master and
+    moments with the fp32 accumulation sum (``optimizer_state``), and their gradient
+    buffers, which stay on the device (``grad_resident``)."""
+    state = sum(n for b in opt.buckets if b.updater.on_device
+                for n in b.state.nbytes().values())
+    return {"optimizer_state": state, "grad_resident": sum(opt.host_pool.device_held().values())}
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
@@ -383,6 +432,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  {side:<6} {human(report[side + '_total']):>12}  ({parts})")
         if side == "device":
             lines += _frozen_line(report)
+    if report.get("offload_fraction", 1.0) < 1.0:
+        lines.append(f"  offload_fraction {report['offload_fraction']:.3f}: the rest of the "
+                     f"optimizer state ({human(report['device']['optimizer_state'])}) is on "
+                     "the device")
     lines.append(
         f"  plain AMP AdamW would need {human(report['plain_adamw_device_total'])} on the device"
     )

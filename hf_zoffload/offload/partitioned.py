@@ -139,10 +139,10 @@ class PartitionedExchange(Exchange):
                                       full=True)
             (u.acc.copy_ if u.count == 1 else u.acc.add_)(u.grad16)
         if self._sync and u.count:  # this backward's grads are added to the sum, in fp32
-            w.open(self.copier.to_device(u.acc), adds_to_sum=True)
+            w.open(self.copier.to_device(b.layout.index, u.acc), adds_to_sum=True)
             u.count = 0
         else:  # the whole (padded) bucket; on the CPU the unreduced host buffer itself
-            w.open(self.copier.device_buffer(b.layout.padded, self.dtype,
+            w.open(self.copier.device_buffer(b.layout.index, b.layout.padded, self.dtype,
                                              lambda: self._host16(b), zero=True))
 
     def flush(self, b: Bucket) -> None:
@@ -170,8 +170,8 @@ class PartitionedExchange(Exchange):
 
     def _launch(self, r: _Reduction) -> None:
         idx = r.bucket.layout.index
-        r.out = self.copier.device_buffer(r.landing.numel(), r.landing.dtype, lambda: r.landing,
-                                 zero=False)
+        r.out = self.copier.device_buffer(idx, r.landing.numel(), r.landing.dtype,
+                                          lambda: r.landing, zero=False)
         r.work = self.coll.reduce_scatter_avg(r.out, r.inp, f"reduce-scatter of bucket {idx}")
         if self.defer:
             self._inflight.append(r)

@@ -6,7 +6,9 @@
 while the next backward fills the other. There is no separate buffer for the new params: the
 CPU-Adam writes them over the 16-bit gradients it has just read (`Bucket.out`), and the upload
 reads them from there. Buffers that device copies touch are views of the engine's `HostPool`
-(host.py), which counts them.
+(host.py), which counts them. A device bucket (``offload_fraction``) has the same state in
+fp32 on the params' device, its grad buffers device tensors from the same pool, and updates
+with `updaters.DEVICE_ADAM` (docs/design.md, "Device buckets").
 
 `Window`: per-bucket bookkeeping of one accumulation window (every backward since the last
 ``step()`` / ``zero_grad()``): docs/design.md, "Accumulation window".
@@ -25,6 +27,7 @@ from ..ops.moments import MomentFormat, moment_format
 from .host import HostPool
 from .layout import BucketLayout
 from .support import set_local
+from .updaters import HOST_ADAM, Updater
 
 
 @dataclass(eq=False)
@@ -96,12 +99,15 @@ class HostState:
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
                 state_dtype: str | MomentFormat = "fp32", zero: bool = True,
-                master_dtype: str | MasterFormat = "fp32") -> HostState:
+                master_dtype: str | MasterFormat = "fp32",
+                device: torch.device | None = None) -> HostState:
     """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
     every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
-    ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`)."""
-    fmt, make = moment_format(state_dtype), torch.zeros if zero else torch.empty
-    mf = master_format(master_dtype)
+    ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`).
+    ``device``: master and moments there instead (a device bucket; its grad buffers are
+    then device memory too, from ``pool``)."""
+    fmt, mf = moment_format(state_dtype), master_format(master_dtype)
+    make = functools.partial(torch.zeros if zero else torch.empty, device=device)
     state = HostState(master=make(layout.shard, dtype=mf.dtype), master_fmt=mf,
                       exp_avg=make(fmt.storage(layout.shard), dtype=fmt.dtype),
                       exp_avg_sq=make(fmt.storage(layout.shard), dtype=fmt.dtype),
@@ -130,14 +136,15 @@ def zero_gaps(layout: BucketLayout, state: HostState) -> None:
 
 def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
           state_dtype: str | MomentFormat = "fp32", master_dtype: str | MasterFormat = "fp32",
-          flat: torch.Tensor | None = None) -> HostState:
+          flat: torch.Tensor | None = None, on_device: bool = False) -> HostState:
     """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
     0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
     (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
     or shared a storage with another param before (a DTensor param gets a new local tensor,
-    support.set_local). Moments start at zero."""
+    support.set_local). Moments start at zero. ``on_device``: the state is kept on ``device``
+    (a device bucket, `empty_state`)."""
     state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype,
-                        master_dtype=master_dtype)
+                        master_dtype=master_dtype, device=device if on_device else None)
     for s in layout.slots:
         shape = s.local().shape
         src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]
@@ -197,6 +204,7 @@ class Bucket:
 
     layout: BucketLayout
     state: HostState
+    updater: Updater = HOST_ADAM  # DEVICE_ADAM for a device bucket (offload_fraction)
     window: Window = field(init=False)
 
     def __post_init__(self):
@@ -218,7 +226,8 @@ class Bucket:
         if not w.landed:
             return
         if g.acc is None:
-            g.acc = torch.empty(self.layout.shard, dtype=torch.float32)
+            g.acc = torch.empty(self.layout.shard, dtype=torch.float32,
+                                device=self.state.master.device)  # a device bucket's there
         acc, last, first = g.acc, w.last, w.landed == 1
         copier.after_landed(self.layout.index,
                             lambda: (acc.copy_ if first else acc.add_)(last))

@@ -12,8 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.cpu_adam import adam_update_unchecked
-from ..ops.masters import step_key
 from .state import Bucket
 from .threads import host_threads
 
@@ -81,46 +79,15 @@ def run(work: list[Work], *, copier, threads: int, publish=None,
         return _run(work, copier=copier, threads=threads, publish=publish, sr_seed=sr_seed)
 
 
-def _calls(b: Bucket, r: Run, out: torch.Tensor | None, sr_seed: int):
-    """(a, z, out16, sr) per kernel call of run ``r``: host elements [a, z), where the new
-    16-bit params go, and a bf16 master's rounding key with the index of element a in its
-    param. One call per param in place (into its own storage) and with a bf16 master (its
-    key is per param: docs/design.md, "bf16 master"); else one for the run."""
-    lay, stochastic = b.layout, b.state.master_fmt.stochastic
-    if out is not None and not stochastic:
-        return [(r.lo, r.hi, None if out.dtype == torch.float32 else out[r.lo:r.hi], None)]
-    calls = []
-    for s, i, j in lay.pieces(r.lo + lay.start, r.hi + lay.start):
-        a = s.offset + i - lay.start
-        dst = s.flat()[i:j] if out is None else out[a:a + j - i]
-        calls.append((a, a + j - i, dst,
-                      (step_key(sr_seed, r.step, s.index), i) if stochastic else None))
-    return calls
-
-
 def _run(work: list[Work], *, copier, threads: int, publish, sr_seed) -> tuple[float, float]:
     t_adam = t_publish = 0.0
     for b, grad, runs, out, present in work:
-        s = b.state
         copier.wait_uploaded(b.layout.index)  # its last upload has read `out`
         t0 = time.perf_counter()
         if out is not None:
             b.fill_absent(out, present)
         for r in runs:
-            # In place, the new 16-bit values go straight into each param's own storage:
-            # one call per param (the kernel is bitwise the same for any split; with 8- / 4-bit
-            # moments every param starts on a block, layout.py).
-            g = r.hyper
-            for a, z, out16, sr in _calls(b, r, out, sr_seed):
-                # Unchecked: every buffer here was built and sized by this engine; the
-                # checks cost ~100 us a call, 10% of a GPT-2-124M step on 2 cores.
-                m, v, scales = s.moment_parts(a, z)
-                adam_update_unchecked(
-                    s.master[a:z], grad[a:z], m, v,
-                    step=r.step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                    eps=g["eps"], weight_decay=g["weight_decay"], grad_scale=r.grad_scale,
-                    out16=out16, num_threads=threads, scales=scales, state_dtype=s.fmt.name,
-                    sr=sr)
+            b.updater(b, grad, r, out, threads=threads, sr_seed=sr_seed)
         if out is not None:
             b.fill_from_master(out)  # fp32 compute: the upload reads pinned memory
         t1 = time.perf_counter()

@@ -7,7 +7,10 @@ on a fresh model in this process:
   - torch AdamW (fused) on fp32 params under bf16 autocast, everything on the device;
   - `ZeroOffloadOptimizer`, bf16 compute (fp32 master weights and moments on the host);
   - the same with ``delayed_update=True`` (no warm-up steps: every step's CPU-Adam overlaps
-    the next forward and backward).
+    the next forward and backward);
+  - with ``--offload_fractions 0,0.5,auto``: the same (not delayed) at each
+    ``offload_fraction`` (the share of the state kept on the host; the rest is updated on
+    the device); ``auto`` decides at the end of the first warm-up step.
 Each runs --warmup steps, then --steps timed ones between ``torch.cuda.synchronize()`` calls
 (a delayed update's last step is landed inside the timed span); tokens/s = batch x seq x steps
 / seconds; peak device memory is ``torch.cuda.max_memory_allocated()`` over the whole run of
@@ -37,6 +40,7 @@ SCRIPT = "gpu_practicality.py"
 REFERENCE = ("reference (issue 22, DeepSpeed's study): ZeRO-Offload at 17.6% of no-offload "
              "speed, Qwen2.5-1.5B on 2x A100 (another model, batch and machine)")
 DELAYED = ", delayed_update=True"
+FRACTION = ", offload_fraction="
 HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "final loss"]
 
 
@@ -116,7 +120,18 @@ def parse_args(argv=None):
     p.add_argument("--overrides", default="",
                    help="model config changes, k=v,... (a tiny model for --device cpu)")
     p.add_argument("--json", default=None, help="write the figures here (for gpu_peers.py)")
+    p.add_argument("--offload_fractions", default="",
+                   help="comma-separated offload_fraction values (0 to 1, or auto) to run "
+                        "as more ways, e.g. 0,0.5,auto")
     args = p.parse_args(argv)
+    from hf_zoffload.config import ZeroOffloadPlugin
+
+    args.fractions = [f.strip() for f in args.offload_fractions.split(",") if f.strip()]
+    for f in args.fractions:
+        try:
+            ZeroOffloadPlugin(offload_fraction=f)
+        except ValueError as err:
+            p.error(f"--offload_fractions: {err}")
     if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 0:
         p.error(f"--batch {args.batch}, --seq {args.seq} and --steps {args.steps} must be >= 1, "
                 f"--warmup {args.warmup} >= 0")
@@ -133,6 +148,9 @@ def main(argv=None) -> int:
             (llama.ZOFFLOAD + DELAYED,
              lambda m: llama.zoffload_step(m, delayed_update=True,
                                            delayed_update_warmup_steps=0), torch.bfloat16)]
+    ways += [(llama.ZOFFLOAD + FRACTION + f,
+              lambda m, f=f: llama.zoffload_step(m, offload_fraction=f), torch.bfloat16)
+             for f in args.fractions]
     common.summary(f"Llama {base['num_hidden_layers']} layers x {base['hidden_size']} "
                    f"({llama.count(llama.n_params(base))} params), batch {args.batch} x "
                    f"{args.seq} tokens, {args.warmup} warm-up + {args.steps} timed steps")

@@ -39,7 +39,8 @@ RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
            ("python", "model_fp32.pt"): "test_plain_loop_snippet",
            ("python", "parallelize_module("): "test_tensor_parallel_snippet",
            ("text", "--params 7B"): "test_estimate_snippet",
-           ("text", "--tp_size 8"): "test_estimate_tp_snippet"}
+           ("text", "--tp_size 8"): "test_estimate_tp_snippet",
+           ("text", "--offload_fraction 0.5"): "test_estimate_fraction_snippet"}
 
 
 def test_every_snippet_has_a_runner():
@@ -229,6 +230,10 @@ def test_estimate_snippet(tmp_path):
 @pytest.mark.slow
 def test_estimate_tp_snippet(tmp_path):
     _run_estimate_snippet(tmp_path, "--tp_size 8")
+
+
+def test_estimate_fraction_snippet(tmp_path):
+    _run_estimate_snippet(tmp_path, "--offload_fraction 0.5")
 
 
 def _run_estimate_snippet(tmp_path, needle):

@@ -80,6 +80,13 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"host_memory_limit.*expected a number with a unit")
     child.expect(r"optimizer state, with a unit .*\? \[0\]: ")
     child.sendline("48GiB")
+    child.expect(r"stay on the host, from 0 to 1 .*\? \[1\]: ")
+    child.sendline("1.5")
+    child.expect(r"'offload_fraction': '1.5' is not allowed; allowed: a number from 0 to 1")
+    child.expect(r"stay on the host, from 0 to 1 .*\? \[1\]: ")
+    child.sendline("auto")
+    child.expect(r"GPU memory may auto plan with.*\? \[0\]: ")
+    child.sendline("40GiB")
     child.expect(r"\(fp32/compute\)\? \[fp32\]: ")
     child.sendline("")  # the default: not written
     child.expect(r"loss scaler\? \[yes/NO\]: ")
@@ -105,7 +112,8 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     assert side["zero_offload"] is True
     chosen = dict(compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
                   delayed_update_warmup_steps=5, cpu_threads=2, state_dtype="bf16",
-                  host_memory_limit="48gib", init_scale=1024, backoff_factor=0.25,
+                  host_memory_limit="48gib", offload_fraction="auto",
+                  device_memory_limit="40gib", init_scale=1024, backoff_factor=0.25,
                   growth_interval=100, hysteresis=1)
     # only the answers that differ from the default offered: a default written would pin it
     assert side["zoffload"] == ZeroOffloadPlugin(**chosen).to_dict(chosen)
@@ -134,7 +142,7 @@ def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
     from hf_zoffload.commands import config
 
     prompts = []
-    answers = iter(["yes", "", "", "", "", "", "", "compute"])
+    answers = iter(["yes", "", "", "", "", "", "", "", "compute"])
 
     def answer(prompt=""):
         prompts.append(prompt)

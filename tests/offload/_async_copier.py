@@ -158,7 +158,7 @@ class AsyncCopier(Copier):
         self._raise()
 
     # ------------------------------------------------------- the interface
-    def device_buffer(self, numel: int, dtype: torch.dtype, host, *,
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
                       zero: bool) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype) if zero else _garbage(numel, dtype)
 
@@ -182,7 +182,7 @@ class AsyncCopier(Copier):
         with self._cv:
             self._landed[key] = seq
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
         buf = _garbage(host.numel(), host.dtype)
         seq = self._enqueue("to_device", lambda: self._copy(buf, host))
         # rule 5: the compute stream waits before the hooks add into `buf`; here that is
@@ -248,6 +248,10 @@ class AsyncCopier(Copier):
             self.compute_wait()
         self._raise()
         return time.perf_counter() - t0
+
+    def join_side(self) -> None:
+        # the compute stream (the caller) waits for every job queued so far
+        self._wait(self._queued, "join_side")
 
     # ------------------------------------------- for tests: the compute stream
     def compute_wait(self) -> None:

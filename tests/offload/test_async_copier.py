@@ -103,7 +103,7 @@ def test_copier_reads_stale_without_a_wait_and_relays_errors():
         with c.hold():  # the worker starts nothing: a read now is a read without a wait
             c.to_host(0, dst, src)
             assert torch.equal(dst, torch.zeros(8))
-            buf = c.device_buffer(8, torch.float32, lambda: dst, zero=False)
+            buf = c.device_buffer(0, 8, torch.float32, lambda: dst, zero=False)
             assert buf is not dst and buf.isnan().all()
         c.wait_landed(0)
         assert torch.equal(dst, src)
