@@ -156,6 +156,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.exchange = make_exchange(process_group, slots=slots, model=model,
                                       device=self.device, copier=self.copier, dtype=self.dtype,
                                       engine_sync=lambda: self.sync_gradients)
+        if self.exchange.params_on_host and plugin.offload_fraction_value != 1.0:
+            # FSDP2's sharded params live on the host: there is no device copy for a device
+            # bucket's state to update (fsdp2.py)
+            raise ValueError(f"ZeRO-Offload setting 'offload_fraction' "
+                             f"{plugin.offload_fraction!r} with FSDP2 parameter offload: the "
+                             "params live on the host, so all optimizer state does; allowed: 1")
         # Buckets fill in reverse param order until the first backward shows the real
         # order (reorder.py).
         self.order = BucketOrder([s.index for s in slots[::-1]], dict(

@@ -243,6 +243,17 @@ def test_refuses_a_trainable_param_fsdp2_does_not_shard(torch_one_thread):
             ZeroOffloadOptimizer(model.parameters(), model=model, plugin=ZeroOffloadPlugin())
 
 
+def test_refuses_an_offload_fraction_below_one(torch_one_thread):
+    with one_rank():
+        model = w.shard(w.Net(), 1)
+        before = [p.to_local().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match="'offload_fraction' '0.5' with FSDP2 parameter "
+                                             "offload: .* allowed: 1"):
+            ZeroOffloadOptimizer(model.parameters(), model=model,
+                                 plugin=ZeroOffloadPlugin(offload_fraction="0.5"))
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+
+
 def test_refuses_a_process_group(torch_one_thread):
     with one_rank():
         model = w.shard(w.Net(), 1)

@@ -503,4 +503,27 @@ def test_estimate_says_what_auto_would_pick(clean_env, capsys):
     assert main(["estimate", "--params", "1B", "--offload_fraction", "auto"]) == 0
     assert "give --gpu_memory to see what it would pick" in capsys.readouterr().out
     assert main(["estimate", "--params", "1B", "--offload_fraction", "half"]) == 2
-    assert "'offload_fraction': 'half' is not allowed" in capsys.readouterr().out
+    assert "'offload_fraction': 'half' is not allowed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- with other modes
+def test_a_bf16_master_keeps_fp32_state_in_the_device_buckets(torch_one_thread):
+    # master_dtype applies to the host buckets only: a device bucket's state is fp32
+    # (docs/design.md, "Device buckets"), so its update rounds to the bf16 param directly
+    model = tiny_gpt2()  # every param trained (the engine leaves frozen ones in fp32)
+    opt = _engine(model, compute_dtype="bf16", master_dtype="bf16", offload_fraction="0.5")
+    dev = set(_on_device(opt))
+    assert 0 < len(dev) < len(opt.buckets)
+    for b in opt.buckets:
+        assert b.state.master.dtype == (torch.float32 if b.layout.index in dev
+                                        else torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    for x in batches(2):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    changed = [not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())]
+    assert all(changed)  # every param, in both kinds of bucket, was updated
+    host = opt.memory_report()["host"]
+    assert host["master"] == 2 * sum(b.layout.shard for b in opt.buckets
+                                     if b.layout.index not in dev)
