@@ -95,6 +95,9 @@ def _argument_fields() -> list[tuple]:
             meta["help"] += " With the Trainer, --fp16 / --bf16 choose it (neither: fp32)."
         if f.name == "max_grad_norm":
             meta["help"] += " With the Trainer, --max_grad_norm sets it."
+        # argparse %-formats help strings (HfArgumentParser hands these to it): "10%" must
+        # reach it as "10%%"
+        meta["help"] = meta["help"].replace("%", "%%")
         if f.metadata["choices"]:
             meta["choices"] = list(f.metadata["choices"])
         if kind is bool:  # `--zero_offload_pin_memory` alone means true, as for --fp16

@@ -203,7 +203,7 @@ def with_copier(rank: int, world: int, *, job: tuple[str, dict], copier: dict | 
         _synchronize(opt)
         result["host"] = [t.clone() for b in opt.buckets
                           for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
-        result["copier"] = type(opt.copier).__name__
+        result["copier"] = type(opt.copier.inner).__name__  # inside PlacedCopier
         if copier is not None:
             result["copier_jobs"] = sum(c.counts["jobs"] for c in made)
     return result
