@@ -69,6 +69,13 @@ def add_parser(subparsers):
                    help="tensor-parallel size: the params the model's tp plan shards count "
                         "1/tp per rank (needs MODEL, --model or --model_type); --num_gpus / "
                         "tp_size ranks share each shard as data parallel")
+    p.add_argument("--fsdp2_offload", action="store_true",
+                   help="FSDP2 parameter offload (fully_shard with CPUOffloadPolicy, the "
+                        "Trainer's --fsdp \"full_shard offload\", accelerate's FSDP plugin "
+                        "with fsdp_version 2 and cpu_offload): the params live on the host "
+                        "too and FSDP2 streams them to the GPU group by group, one group per "
+                        "layer of the model's _no_split_modules (needs MODEL, --model or "
+                        "--model_type); --num_gpus ranks shard them")
     p.add_argument("--grad_accumulation", action="store_true",
                    help="count the buffers of micro-step accumulation (one process: an "
                         "fp32 sum per grad set; N ranks: whole unreduced buckets too)")
@@ -158,6 +165,49 @@ def split_params(cfg) -> tuple[int, int]:
     return sharded, replicated
 
 
+def fsdp2_groups(cfg, world: int = 1) -> dict:
+    """The ``fully_shard`` groups that accelerate's FSDP2 plugin and the Trainer's ``--fsdp``
+    make of the model a config describes (auto wrap TRANSFORMER_BASED_WRAP, the default: one
+    group per module whose class is in the model's ``_no_split_modules``, the rest in the
+    root's group): ``root`` and ``largest`` (trainable params of the root's group and of the
+    largest other one), ``groups`` (how many others), ``layers`` (their class names) and
+    ``local`` (this rank's elements of FSDP2's padded shards over ``world`` ranks:
+    ``ceil(dim0 / world) * row`` per param, rank 0 holding the longer ones)."""
+    model = _meta_model(cfg)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    owners = {}  # module name -> trainable params of its group (root: "")
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ in names and n]
+    local = 0
+    for name, p in model.named_parameters():  # tied weights once, as parameters()
+        if not p.requires_grad:
+            continue
+        # the innermost wrapped module holding it, else the root (FSDP2 groups nest)
+        owner = max((w for w in wrapped if name.startswith(w + ".")), key=len, default="")
+        owners[owner] = owners.get(owner, 0) + p.numel()
+        rows = p.shape[0] if p.ndim else 1
+        local += -(-rows // world) * (p.numel() // max(1, rows))
+    others = [v for k, v in owners.items() if k]
+    return {"root": owners.get("", 0), "largest": max(others, default=0),
+            "groups": len(others), "layers": sorted(names & {type(m).__name__
+                                                          for m in model.modules()}),
+            "local": local}
+
+
+def check_fsdp2(plugin, *, tp: int, params_only: bool) -> None:
+    """What the engine refuses with FSDP2 parameter offload (offload/fsdp2.py, engine.py),
+    refused here in one line, before a model is built."""
+    if params_only:
+        raise ValueError("--fsdp2_offload needs MODEL, --model or --model_type: the GPU side "
+                         "comes from the model's layers (FSDP2 streams one group per layer)")
+    if tp > 1:
+        raise ValueError(f"--fsdp2_offload with --tp_size {tp}: FSDP2 on a 2-D mesh is not "
+                         "supported (only a 1-D shard mesh); allowed: --tp_size 1")
+    if plugin.offload_fraction_value != 1.0:
+        raise ValueError(f"--fsdp2_offload with offload_fraction {plugin.offload_fraction!r}: "
+                         "the params live on the host, so all optimizer state does; "
+                         "allowed: 1")
+
+
 def _fit(need: int, have: int | None) -> dict | None:
     if have is None:
         return None
@@ -208,6 +258,7 @@ def auto_pick(n: int, world: int, *, peak: int, have: int, param_bytes: int,
 
 
 def compute(args) -> dict:
+    from hf_zoffload.offload.memory import estimate_fsdp2
     from hf_zoffload.offload.memory import estimate_with_fraction as estimate
 
     # Sizes first: a typo there fails before a model is built from its config.
@@ -221,6 +272,8 @@ def compute(args) -> dict:
     if tp > 1 and args.params:
         raise ValueError("--tp_size needs MODEL, --model or --model_type: which params are "
                          "sharded comes from the model's tensor-parallel plan")
+    if args.fsdp2_offload:
+        check_fsdp2(plugin, tp=tp, params_only=bool(args.params))
     cfg = None if args.params else _model_config(args)
     split = None
     if tp > 1:
@@ -229,18 +282,30 @@ def compute(args) -> dict:
         split = {"sharded": sharded, "replicated": replicated, "per_rank": n}
     else:
         n = parse_count(args.params) if args.params else count_params(cfg)
-    frozen = parse_count(args.frozen_params)
+    count, frozen = n, parse_count(args.frozen_params)
+    # FSDP2's groups: for the mode, or for the hint that proposes it when the GPU is short
+    groups = fsdp2_groups(cfg, args.num_gpus) if cfg is not None and tp == 1 and (
+        args.fsdp2_offload or gpu is not None) else None
 
     fraction = plugin.offload_fraction_value  # None: auto, decided below
+    common = dict(compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb,
+                  n_frozen=frozen, grad_accumulation=args.grad_accumulation,
+                  delayed_update=plugin.delayed_update)
+
+    def fsdp2_for(state_dtype, n=n, master_dtype=plugin.master_dtype):
+        # the padded shards are known for the model itself; another size (the largest that
+        # fits) has no shapes: ceil(n / N)
+        return estimate_fsdp2(n, root_params=groups["root"], largest_group=groups["largest"],
+                              local_params=groups["local"] if n == count else None,
+                              world_size=args.num_gpus, state_dtype=state_dtype,
+                              master_dtype=master_dtype, **common)
 
     def report_for(state_dtype, n=n, tp=tp, fraction=None, master_dtype=plugin.master_dtype):
-        return estimate(n, compute_dtype=plugin.compute_dtype,
-                        bucket_size_mb=plugin.bucket_size_mb,
-                        world_size=args.num_gpus // tp,
-                        n_frozen=frozen, grad_accumulation=args.grad_accumulation,
-                        delayed_update=plugin.delayed_update, pinned=plugin.pin_memory,
+        if args.fsdp2_offload:
+            return fsdp2_for(state_dtype, n, master_dtype)
+        return estimate(n, world_size=args.num_gpus // tp, pinned=plugin.pin_memory,
                         state_dtype=state_dtype, master_dtype=master_dtype,
-                        offload_fraction=1.0 if fraction is None else fraction)
+                        offload_fraction=1.0 if fraction is None else fraction, **common)
 
     picked = None
     have = plugin.device_memory_limit_bytes or gpu
@@ -273,14 +338,18 @@ def compute(args) -> dict:
     mine = [r for r in by_mode if r["master_dtype"] == plugin.master_dtype]
     settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
     gpu_fit = _fit(report["device_total"], gpu)
-    hint = None
-    if gpu_fit and not gpu_fit["fits"] and cfg is not None:
+    hint = fsdp2_hint = None
+    if gpu_fit and not gpu_fit["fits"] and cfg is not None and not args.fsdp2_offload:
         hint = _tp_hint(cfg, split, gpu, args.num_gpus, tp,
                         lambda n, t: report_for(plugin.state_dtype, n, t,
                                                 fraction)["device_total"])
+        if groups is not None:  # FSDP2 refuses offload_fraction < 1: counted at 1
+            need = fsdp2_for(plugin.state_dtype)["device_total"]
+            fsdp2_hint = {"need": need, "have": gpu, "fits": need <= gpu}
     return {
         "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,
         "tp_split": split, "host_total_all_ranks": host_all,
+        "fsdp2_offload": groups if args.fsdp2_offload else None,
         "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},
@@ -288,6 +357,7 @@ def compute(args) -> dict:
             "host_total_all_ranks", "fit", "largest_n_params")} for r in mine},
         "host_by_mode": by_mode,
         "tp_hint": hint,
+        "fsdp2_hint": fsdp2_hint,
         "auto": picked if plugin.offload_fraction == "auto" else None,
         "auto_unsized": plugin.offload_fraction == "auto" and picked is None,
     }
@@ -353,16 +423,32 @@ def format_fits(result: dict) -> str:
                      f"{n // result['tp_size']}: {split['sharded']:,} params sharded by the "
                      f"model's tp plan, {split['replicated']:,} replicated; each rank holds "
                      f"{split['per_rank']:,} (the figures above are per rank)")
-    labels = {"gpu_zero_offload": "GPU, ZeRO-Offload", "gpu_plain_adamw": "GPU, plain AMP AdamW",
-              "host_zero_offload": "host, ZeRO-Offload"}
+    groups = result.get("fsdp2_offload")
+    if groups:
+        lines.append(f"FSDP2 parameter offload over {n} rank(s): {groups['groups']} fully_shard "
+                     f"groups ({', '.join(groups['layers']) or 'none'}) of at most "
+                     f"{groups['largest']:,} params, and the root's group of {groups['root']:,}")
+        lines.append("  the GPU holds the root's params (kept gathered) and two groups' (the "
+                     "one computing and the next, which torch 2.13 gathers ahead), with their "
+                     f"grads; each rank's host holds its {groups['local']:,} elements of "
+                     "FSDP2's padded shards")
+    way = "ZeRO-Offload+FSDP2" if groups else "ZeRO-Offload"
+    labels = {"gpu_zero_offload": f"GPU, {way}", "gpu_plain_adamw": "GPU, plain AMP AdamW",
+              "host_zero_offload": f"host, {way}"}
     fits = {k: v for k, v in result["fits"].items() if v}
     if fits:
         lines.append("fits? (model states only: activations, CUDA context and allocator slack "
                      "need room too)")
+    width = 1 + max(len(v) for v in labels.values())
     for key, f in fits.items():
         verdict = "fits" if f["fits"] else "DOES NOT FIT"
-        lines.append(f"  {labels[key]:<21} needs {human(f['need']):>11} of {human(f['have'])}: "
-                     f"{verdict}, headroom {human(f['headroom'])}")
+        lines.append(f"  {labels[key]:<{width}} needs {human(f['need']):>11} of "
+                     f"{human(f['have'])}: {verdict}, headroom {human(f['headroom'])}")
+    fsdp2 = result.get("fsdp2_hint")
+    if fsdp2:
+        lines.append(f"  hint: with --fsdp2_offload (FSDP2 parameter offload) the GPU side "
+                     f"would need {human(fsdp2['need'])} per GPU: "
+                     + ("fits" if fsdp2["fits"] else "DOES NOT FIT either"))
     hint = result.get("tp_hint")
     if hint and hint["tp_size"]:
         t = hint["tp_size"]
@@ -381,7 +467,8 @@ def format_fits(result: dict) -> str:
     elif result.get("auto_unsized"):
         lines.append("offload_fraction auto: counted as 1 (all on the host); give "
                      "--gpu_memory to see what it would pick")
-    lines.append("host by mode (master weights and Adam moments):")
+    lines.append("host by mode (master weights and Adam moments" + (
+        ", with FSDP2's sharded params):" if groups else "):"))
     for m in result["host_by_mode"]:
         f = m["fit"]
         verdict = "" if f is None else \

@@ -101,6 +101,78 @@ def estimate(
                    state_dtype=state_dtype, master_dtype=master.name)
 
 
+def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
+                   local_params: int | None = None, compute_dtype: str = "bf16",
+                   bucket_size_mb: float = 32.0, world_size: int = 1, n_frozen: int = 0,
+                   grad_accumulation: bool = False, delayed_update: bool = False,
+                   state_dtype: str = "fp32", master_dtype: str = "fp32") -> dict:
+    """Bytes per rank with FSDP2 parameter offload (``fully_shard`` with ``CPUOffloadPolicy``,
+    the engine as its optimizer: docs/design.md, "FSDP2 parameter offload") for ``n_params``
+    trainable params over ``world_size`` shard ranks, the root's own group holding
+    ``root_params`` of them and the largest other ``fully_shard`` group ``largest_group``.
+
+    Host: this rank's shard (``local_params`` elements: FSDP2 pads each param's dim 0 to a
+    multiple of N, so rank 0 holds ``sum(ceil(dim0 / N) * row)``; default ``ceil(n / N)``,
+    which the padding exceeds by at most N-1 rows a param) as FSDP2's sharded param in the
+    compute dtype, which is the engine's 16-bit copy (``params``), plus what the engine keeps
+    for it as with one process: master, moments, the grad landing buffer (a second with the
+    delayed update). The engine's device is then the host, so nothing is pinned (64-byte
+    aligned buckets, `host.plan_blocks`).
+
+    Device, what FSDP2 streams (torch 2.13, the defaults: `device_bytes_fsdp2`), plus the
+    frozen params; activations are not counted. ``grad_accumulation`` as the Trainer and
+    accelerate's ``accumulate()`` run it: their ``no_sync`` is FSDP2's
+    ``set_requires_gradient_sync(False)``, under which FSDP2 keeps every group's unsharded
+    gradient on the device until the boundary's backward reduces the sum
+    (``accumulated_grads``, the whole model in the compute dtype on every rank), and the
+    engine sees one backward a step: no fp32 sum on the host."""
+    if not 0 <= largest_group <= n_params or not 0 <= root_params <= n_params:
+        raise ValueError(f"root_params {root_params} and largest_group {largest_group} must "
+                         f"be from 0 to n_params {n_params}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shard = -(-n_params // world_size) if local_params is None else local_params
+    if shard * world_size < n_params:
+        raise ValueError(f"local_params {shard} x world_size {world_size} holds fewer than "
+                         f"the {n_params} params")
+    report = estimate(shard, compute_dtype=compute_dtype, bucket_size_mb=bucket_size_mb,
+                      world_size=1, n_frozen=n_frozen, delayed_update=delayed_update,
+                      pinned=False, state_dtype=state_dtype, master_dtype=master_dtype)
+    w = _DTYPE_BYTES[compute_dtype]
+    host = {**report["host"], "params": shard * w}  # memory_report()'s order
+    device = {"params": n_frozen * w,
+              **device_bytes_fsdp2(root_params, largest_group, param_bytes=w,
+                                   world_size=world_size),
+              "accumulated_grads": n_params * w if grad_accumulation else 0}
+    out = _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=report["frozen"],
+                  state_dtype=state_dtype, master_dtype=master_dtype)
+    out["fsdp2"] = {"root_params": root_params, "largest_group": largest_group,
+                    "world_size": world_size}
+    return out
+
+
+def device_bytes_fsdp2(root_params: int, largest_group: int, *, param_bytes: int,
+                       world_size: int = 1) -> dict:
+    """What FSDP2 holds on the device at its peak, by kind, with torch 2.13's defaults
+    (torch/distributed/fsdp/_fully_shard/): the root's group is not resharded after forward,
+    so its params stay gathered all step (``gathered_root``); every other group is gathered
+    before its forward and again before its backward, while the next one is gathered ahead
+    (forward: the next group's all-gather runs on its own stream while this one computes;
+    backward: `_backward_prefetch` gathers the group before it), so two of the largest
+    (``gathered_groups``). Gradients (``unsharded_grads``): the root's, which reduce last, at
+    the end of backward, plus the group in backward and the one before it still held as the
+    reduce-scatter input (``reduce_scatter_max_input_buffers`` is 1), or at the end the root's
+    own reduce-scatter input when that is larger; and the reduce-scatter's output, this rank's
+    1/N of that until its copy to the host (``reduced_grads``). A sum of peaks that need not
+    coincide: an upper bound. All in the compute dtype: the engine makes it the sharded
+    params' own (``param_dtype`` and ``reduce_dtype`` follow)."""
+    reducing = max(2 * largest_group, root_params)
+    return {"gathered_root": root_params * param_bytes,
+            "gathered_groups": 2 * largest_group * param_bytes,
+            "unsharded_grads": (root_params + reducing) * param_bytes,
+            "reduced_grads": -(-max(largest_group, root_params) // world_size) * param_bytes}
+
+
 # Device bytes per element of a device bucket (offload_fraction): fp32 master and both moments
 # (their state_dtype is fp32 on the device, docs/design.md "Device buckets"); the fp32
 # accumulation sum when micro-steps are summed; its grad buffer (compute dtype) apart.
