@@ -343,8 +343,9 @@ def compute(args) -> dict:
         hint = _tp_hint(cfg, split, gpu, args.num_gpus, tp,
                         lambda n, t: report_for(plugin.state_dtype, n, t,
                                                 fraction)["device_total"])
-        if groups is not None:  # FSDP2 refuses offload_fraction < 1: counted at 1
-            need = fsdp2_for(plugin.state_dtype)["device_total"]
+        need = None if groups is None else fsdp2_for(plugin.state_dtype)["device_total"]
+        if need is not None and need < report["device_total"]:  # a smaller model's root can
+            # outweigh its layers: then streaming them saves nothing, and there is no hint
             fsdp2_hint = {"need": need, "have": gpu, "fits": need <= gpu}
     return {
         "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,

@@ -431,3 +431,88 @@ def test_env_shows_sizes_in_gib_beside_what_was_typed(typed, shown, monkeypatch,
         monkeypatch.setenv("HF_ZOFFLOAD_HOST_MEMORY_LIMIT", typed)
     assert main(["env"]) == 0
     assert f"    host_memory_limit: {shown}\n" in capsys.readouterr().out
+
+
+# ------------------------------------------------------- estimate: FSDP2 parameter offload
+# 999 rows of embedding and head shard unevenly over 2 ranks (500 + 499: FSDP2 pads)
+FSDP2_LLAMA = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+               "num_key_value_heads=4,head_dim=16,vocab_size=999")
+
+
+def test_estimate_fsdp2_offload_by_hand(capsys):
+    """A tiny Llama in bf16 over 2 ranks: one fully_shard group per LlamaDecoderLayer, the
+    root's group the embedding, the head and the final norm. Host per rank: FSDP2's padded
+    shard (dim 0 rounded up) as the bf16 params, master 4, moments 8, landing buffer 2;
+    device: the root and two layers gathered, their grads and the root's, the larger
+    reduce-scatter output's half."""
+    root = 999 * 64 * 2 + 64
+    layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+    n = root + 2 * layer
+    local = 2 * 500 * 64 + 32 + 2 * (4 * 32 * 64 + 2 * 64 * 64 + 32 * 128 + 2 * 32)
+    assert local > n // 2  # the 999 rows' padding
+    r = _json(capsys, "--model_type", "llama", "--config_overrides", FSDP2_LLAMA,
+              "--compute_dtype", "bf16", "--num_gpus", "2", "--fsdp2_offload")
+    assert r["fsdp2_offload"] == {"root": root, "largest": layer, "groups": 2,
+                                  "layers": ["LlamaDecoderLayer"], "local": local}
+    rep = r["report"]
+    assert rep["n_params"] == n
+    assert rep["host"] == {"master": 4 * local, "exp_avg": 4 * local, "exp_avg_sq": 4 * local,
+                           "grad_staging": 2 * local, "grad_accumulation": 0,
+                           "params": 2 * local}
+    assert r["host_total_all_ranks"] == 2 * 16 * local
+    assert rep["device"] == {"params": 0, "gathered_root": 2 * root,
+                             "gathered_groups": 2 * 2 * layer,
+                             "unsharded_grads": 2 * (root + root),  # the root outweighs 2 layers
+                             "reduced_grads": 2 * -(-root // 2), "accumulated_grads": 0}
+    # accumulation as accelerate runs it: FSDP2 keeps the unsharded grads on the device
+    acc = _json(capsys, "--model_type", "llama", "--config_overrides", FSDP2_LLAMA,
+                "--compute_dtype", "bf16", "--fsdp2_offload", "--grad_accumulation")["report"]
+    assert acc["device"]["accumulated_grads"] == 2 * n and acc["host"]["grad_accumulation"] == 0
+    # the host rows by mode are this mode's: a bf16 master holds 2 B beside the 2 B params
+    rows = {(m["master_dtype"], m["state_dtype"]): m["host_total_all_ranks"]
+            for m in r["host_by_mode"]}
+    assert rows[("bf16", "bf16")] == 2 * (2 + 2 + 4 + 2) * local
+    assert main(["estimate", "--model_type", "llama", "--config_overrides", FSDP2_LLAMA,
+                 "--fsdp2_offload", "--gpu_memory", "1GiB", "--host_memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert ("FSDP2 parameter offload over 1 rank(s): 2 fully_shard groups (LlamaDecoderLayer) "
+            f"of at most {layer:,} params, and the root's group of {root:,}") in out
+    assert "  GPU, ZeRO-Offload+FSDP2   needs" in out and "with FSDP2's sharded params):" in out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--params", "7B"], "--fsdp2_offload needs MODEL, --model or --model_type"),
+    (["--model_type", "llama", "--tp_size", "2", "--num_gpus", "2"],
+     "--fsdp2_offload with --tp_size 2: FSDP2 on a 2-D mesh is not supported"),
+    (["--model_type", "llama", "--offload_fraction", "0.5"],
+     "--fsdp2_offload with offload_fraction '0.5': the params live on the host"),
+    (["--model_type", "llama", "--offload_fraction", "auto", "--gpu_memory", "24GiB"],
+     "--fsdp2_offload with offload_fraction 'auto'"),
+])
+def test_estimate_fsdp2_offload_refuses_what_the_engine_refuses(argv, said, capsys):
+    assert main(["estimate", *argv, "--fsdp2_offload"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_estimate_proposes_fsdp2_offload_when_the_gpu_is_short(capsys, monkeypatch):
+    """Optimizer offload alone does not fit: the hint gives FSDP2 parameter offload's GPU
+    figure (the same arithmetic as --fsdp2_offload); no hint where it fits, with --params
+    (no layers to stream), or where the root outweighs the layers (nothing to gain)."""
+    monkeypatch.setenv("HF_ZOFFLOAD_PIN_MEMORY", "false")
+    deep = ["--model_type", "llama", "--config_overrides",
+            FSDP2_LLAMA.replace("num_hidden_layers=2", "num_hidden_layers=16"),
+            "--compute_dtype", "bf16"]
+    zero2 = _json(capsys, *deep)["report"]["device_total"]
+    fsdp2 = _json(capsys, *deep, "--fsdp2_offload")["report"]["device_total"]
+    assert fsdp2 < zero2
+    r = _json(capsys, *deep, "--gpu_memory", f"{fsdp2}B")
+    assert r["fits"]["gpu_zero_offload"]["fits"] is False
+    assert r["fsdp2_hint"] == {"need": fsdp2, "have": fsdp2, "fits": True}
+    assert main(["estimate", *deep, "--gpu_memory", f"{fsdp2}B"]) == 0
+    assert (f"  hint: with --fsdp2_offload (FSDP2 parameter offload) the GPU side would need "
+            f"{fsdp2 / 2**20:.2f} MiB per GPU: fits") in capsys.readouterr().out
+    assert _json(capsys, *deep, "--gpu_memory", f"{zero2}B")["fsdp2_hint"] is None
+    assert _json(capsys, "--params", "7B", "--gpu_memory", "1GiB")["fsdp2_hint"] is None
+    shallow = ["--model_type", "llama", "--config_overrides", FSDP2_LLAMA]
+    assert _json(capsys, *shallow, "--gpu_memory", "1KiB")["fsdp2_hint"] is None
