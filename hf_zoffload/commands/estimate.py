@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from ..config import MASTER_DTYPES, STATE_DTYPES, parse_quantity, parse_size
 from .launch import SIDECAR_HELP, find_sidecar
+from .models import count_params, fsdp2_groups, model_config, split_params
 
 description = (
     "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
@@ -96,101 +96,9 @@ def _model(args) -> tuple[str | None, str]:
 
 
 def _model_config(args):
-    from transformers import CONFIG_MAPPING, AutoConfig
-
     model, flag = _model(args)
-    if args.model_type:
-        if args.model_type not in CONFIG_MAPPING:
-            raise ValueError(f"unknown --model_type {args.model_type!r}")
-        cfg = CONFIG_MAPPING[args.model_type]()
-    elif os.path.isfile(model):  # a config.json
-        with open(model) as fh:
-            model_type = json.load(fh).get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"{model}: no known 'model_type' ({model_type!r})")
-        cfg = CONFIG_MAPPING[model_type].from_json_file(model)
-    else:
-        try:  # a folder, or a hub name that is already cached: never the network
-            cfg = AutoConfig.from_pretrained(model, local_files_only=True)
-        except OSError as err:
-            raise ValueError(
-                f"{flag} {model!r} is neither a local config nor in the local cache "
-                "(estimate never downloads); pass --model_type with --config_overrides, or "
-                "--params") from err
-    if args.config_overrides:
-        cfg.update_from_string(args.config_overrides)
-    return cfg
-
-
-def _meta_model(cfg):
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(cfg)
-        except ValueError:  # not a causal LM (bert, t5, ...): count the base model
-            return AutoModel.from_config(cfg)
-
-
-def count_params(cfg) -> int:
-    """Trainable parameters of the model a config describes, built on the meta device (no
-    memory, about 1 s for a 7B llama); tied weights count once."""
-    return sum(p.numel() for p in _meta_model(cfg).parameters() if p.requires_grad)
-
-
-def split_params(cfg) -> tuple[int, int]:
-    """(sharded, replicated) trainable parameters under the model's own tensor-parallel plan
-    (``model.tp_plan``, what ``from_pretrained(tp_plan="auto")`` applies: module name
-    patterns -> styles): a colwise module's weight and bias and a rowwise one's weight
-    (embeddings included) are sharded; everything else (norms, rowwise biases, modules the
-    plan does not name) is replicated on every rank."""
-    model = _meta_model(cfg)
-    plan = getattr(model, "tp_plan", None) or {}
-    if not plan:
-        raise ValueError(f"--tp_size: the {cfg.model_type!r} model has no tensor-parallel "
-                         "plan (tp_plan), so nothing would be sharded")
-    rules = [(re.compile("^" + re.escape(pat).replace(r"\*", r"[^.]+") + "$"), style)
-             for pat, style in plan.items()]
-    sharded = replicated = 0
-    for name, p in model.named_parameters():  # tied weights once, as parameters()
-        if not p.requires_grad:
-            continue
-        module, _, kind = name.rpartition(".")
-        style = next((st for rx, st in rules if rx.match(module)), "")
-        if "colwise" in style or ("rowwise" in style and kind == "weight"):
-            sharded += p.numel()
-        else:
-            replicated += p.numel()
-    return sharded, replicated
-
-
-def fsdp2_groups(cfg, world: int = 1) -> dict:
-    """The ``fully_shard`` groups that accelerate's FSDP2 plugin and the Trainer's ``--fsdp``
-    make of the model a config describes (auto wrap TRANSFORMER_BASED_WRAP, the default: one
-    group per module whose class is in the model's ``_no_split_modules``, the rest in the
-    root's group): ``root`` and ``largest`` (trainable params of the root's group and of the
-    largest other one), ``groups`` (how many others), ``layers`` (their class names) and
-    ``local`` (this rank's elements of FSDP2's padded shards over ``world`` ranks:
-    ``ceil(dim0 / world) * row`` per param, rank 0 holding the longer ones)."""
-    model = _meta_model(cfg)
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    owners = {}  # module name -> trainable params of its group (root: "")
-    wrapped = [n for n, m in model.named_modules() if type(m).__name__ in names and n]
-    local = 0
-    for name, p in model.named_parameters():  # tied weights once, as parameters()
-        if not p.requires_grad:
-            continue
-        # the innermost wrapped module holding it, else the root (FSDP2 groups nest)
-        owner = max((w for w in wrapped if name.startswith(w + ".")), key=len, default="")
-        owners[owner] = owners.get(owner, 0) + p.numel()
-        rows = p.shape[0] if p.ndim else 1
-        local += -(-rows // world) * (p.numel() // max(1, rows))
-    others = [v for k, v in owners.items() if k]
-    return {"root": owners.get("", 0), "largest": max(others, default=0),
-            "groups": len(others), "layers": sorted(names & {type(m).__name__
-                                                          for m in model.modules()}),
-            "local": local}
+    return model_config(model, flag=flag, model_type=args.model_type,
+                        overrides=args.config_overrides)
 
 
 def check_fsdp2(plugin, *, tp: int, params_only: bool) -> None:
