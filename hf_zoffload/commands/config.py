@@ -16,6 +16,8 @@ import os
 
 from hf_zoffload.config import ZeroOffloadPlugin
 
+from .models import count_params, fsdp2_groups, model_config, parse_count
+
 description = (
     "Ask accelerate's configuration questions, then the ZeRO-Offload ones; write accelerate's "
     "yaml unchanged and our settings to a sidecar yaml beside it (<name>_zoffload.yaml)."
@@ -68,8 +70,17 @@ def run(args) -> int:
     from accelerate.commands.config.config import get_user_input
 
     acc = get_user_input()
-    enabled, plugin, chosen = ask_offload(
-        mixed_precision=str(getattr(acc, "mixed_precision", "no")))
+    fsdp = _fsdp_config(acc)
+    if fsdp is not None:  # before our questions: one line, nothing written
+        check_fsdp(fsdp)
+    enabled, plugin, chosen, fsdp2 = ask_offload(
+        mixed_precision=str(getattr(acc, "mixed_precision", "no")),
+        on_gpu=not getattr(acc, "use_cpu", False), fsdp2=fsdp is not None)
+    if fsdp2 and fsdp is None:  # proposed and taken: accelerate's FSDP plugin does it
+        from accelerate.utils import DistributedType
+
+        acc.distributed_type = DistributedType.FSDP
+        acc.fsdp_config = dict(FSDP2_OFFLOAD)
     # Same writer as `accelerate config`: json when the name says so, else yaml.
     if path.endswith(".json"):
         acc.to_json_file(path)
@@ -78,7 +89,40 @@ def run(args) -> int:
     print(f"accelerate configuration saved at {path}")
     plugin.save_yaml(sidecar, enabled=enabled, names=chosen)
     print(f"ZeRO-Offload configuration saved at {sidecar}")
+    if fsdp2:
+        print(f"FSDP2 parameter offload: `hf-zoffload launch --config_file {path} "
+              "your_script.py` runs it through accelerate's FSDP plugin; with the Trainer "
+              f"pass {TRAINER_FLAGS}")
     return 0
+
+
+# accelerate's FSDP2 plugin with parameter offload: accelerate's own defaults for the rest
+# (its wizard's default answers: wrap each of the model's _no_split_modules, reshard after
+# forward, sharded checkpoints, CPU-RAM-efficient loading, no activation checkpointing).
+FSDP2_OFFLOAD = {"fsdp_version": 2, "fsdp_offload_params": True,
+                 "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                 "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                 "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": False}
+TRAINER_FLAGS = '--fsdp "full_shard offload" --zero_offload'
+
+
+def _fsdp_config(acc) -> dict | None:
+    """accelerate's answers' FSDP config, or None when they chose no FSDP."""
+    kind = getattr(acc, "distributed_type", None)
+    return (acc.fsdp_config or {}) if str(getattr(kind, "value", kind)) == "FSDP" else None
+
+
+def check_fsdp(fsdp: dict) -> None:
+    """The FSDP that ZeRO-Offload trains with is FSDP2 with parameter offload (its sharded
+    params on the host, where the CPU-Adam writes them: offload/fsdp2.py); any other FSDP
+    answer is refused in one line before anything is written."""
+    version, offload = int(fsdp.get("fsdp_version", 1)), bool(fsdp.get("fsdp_offload_params"))
+    if version != 2 or not offload:
+        raise ValueError(
+            f"accelerate's answers chose FSDP version {version} "
+            f"{'with' if offload else 'without'} parameter offload; ZeRO-Offload trains with "
+            "FSDP only as FSDP2 parameter offload (version 2, offload parameters to CPU: "
+            "yes). Run `hf-zoffload config` again and answer those, or no FSDP")
 
 
 def _accelerate_dtype(mixed_precision: str) -> str | None:
@@ -153,15 +197,20 @@ def _yes(raw: str) -> bool:
     return value.startswith("y")
 
 
-def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin, list[str]]:
-    """The offload questions; returns (enabled, plugin, the settings the user chose)."""
+def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False, fsdp2: bool = False
+                ) -> tuple[bool, ZeroOffloadPlugin, list[str], bool]:
+    """The offload questions; returns (enabled, plugin, the settings the user chose, FSDP2
+    parameter offload). ``on_gpu``: accelerate's answers train on GPUs, so the wizard asks
+    for the model and the GPU's memory and proposes FSDP2 parameter offload where the
+    16-bit weights do not fit with optimizer offload alone; ``fsdp2``: accelerate's answers
+    chose it already."""
     from accelerate.commands.config.config_utils import _ask_field
 
     enabled = _ask_field(
         "Do you want to use ZeRO-Offload (fp32 master weights and Adam states in host memory, "
         "updated by the CPU)? [YES/no]: ", _yes, default=True)
     if not enabled:
-        return False, ZeroOffloadPlugin(), []
+        return False, ZeroOffloadPlugin(), [], fsdp2
     ask = _Asker()
     follows = _accelerate_dtype(mixed_precision)
     if follows:
@@ -174,6 +223,11 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         ask("compute_dtype", "accelerate's mixed_precision is 'no'; which dtype should the "
             "parameters have on the device during forward/backward (fp32/bf16/fp16)?",
             default="fp32")
+    if fsdp2:
+        print("FSDP2 parameter offload, as accelerate's answers say: the parameters live on "
+              "the host too, and FSDP2 brings them to the GPU one layer group at a time.")
+    elif on_gpu:
+        fsdp2 = ask_param_offload(_ask_field, ZeroOffloadPlugin(**ask.answers))
     ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied to the "
         "host one bucket at a time)?")
     ask("pin_memory", "Use pinned (page-locked) host buffers for the copies (CUDA only)?")
@@ -186,9 +240,12 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         "(fp32/bf16/int8/int4)?")
     ask("host_memory_limit", "How much host memory may each process use for the optimizer "
         "state, with a unit (48GiB; 0: what the machine has available)?")
-    if ask("offload_fraction", "Which share of the optimizer state should stay on the host, "
-           "from 0 to 1 (the first layers' state is kept and updated on the GPU; auto: as "
-           "much on the GPU as the first step leaves free)?") == "auto":
+    if fsdp2:  # the engine refuses a fraction below 1 there (engine.py)
+        print("offload_fraction stays 1: with FSDP2 parameter offload the parameters, and so "
+              "all optimizer state, live on the host.")
+    elif ask("offload_fraction", "Which share of the optimizer state should stay on the host, "
+             "from 0 to 1 (the first layers' state is kept and updated on the GPU; auto: as "
+             "much on the GPU as the first step leaves free)?") == "auto":
         ask("device_memory_limit", "How much GPU memory may auto plan with, with a unit "
             "(40GiB; 0: the GPU's total)?")
     ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "
@@ -203,4 +260,73 @@ def ask_offload(*, mixed_precision: str = "no") -> tuple[bool, ZeroOffloadPlugin
         ask("growth_interval", "Clean steps before the loss scale grows?")
         ask("hysteresis", "Overflowing steps before the loss scale backs off (hysteresis)?")
         ask("min_scale", "Smallest loss scale?")
-    return True, ZeroOffloadPlugin(**ask.answers), ask.chosen
+    return True, ZeroOffloadPlugin(**ask.answers), ask.chosen, fsdp2
+
+
+def gpu_needs(model: str, plugin: ZeroOffloadPlugin) -> dict:
+    """GPU bytes of model states on one GPU for ``model`` (a parameter count such as 7B, a
+    local config or folder, or a cached hub name): the 16-bit weights, optimizer offload's
+    whole need (`memory.estimate`, what `hf-zoffload estimate` says), and FSDP2 parameter
+    offload's (`memory.estimate_fsdp2`, from the model's groups; None for a bare count)."""
+    from hf_zoffload.offload.memory import estimate, estimate_fsdp2
+
+    kw = dict(compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb)
+    try:
+        n, cfg = parse_count(model), None
+    except ValueError:  # not a count: a model
+        cfg = model_config(model, flag="the model", advice="(nothing is downloaded)")
+        n = count_params(cfg)
+    fsdp2 = None
+    if cfg is not None:
+        g = fsdp2_groups(cfg)
+        fsdp2 = estimate_fsdp2(n, root_params=g["root"], largest_group=g["largest"],
+                               **kw)["device_total"]
+    return {"n_params": n, "weights": n * plugin.torch_dtype.itemsize,
+            "zero_offload": estimate(n, **kw)["device_total"], "fsdp2_offload": fsdp2}
+
+
+def ask_param_offload(ask_field, plugin: ZeroOffloadPlugin) -> bool:
+    """The model and the GPU's memory; where optimizer offload alone does not fit the GPU,
+    the proposal of FSDP2 parameter offload (yes: the default). Empty answers skip it."""
+    from hf_zoffload.config import parse_size
+    from hf_zoffload.offload.memory import human
+
+    def need(raw: str):
+        if not raw.strip():
+            return None
+        try:
+            return gpu_needs(raw.strip(), plugin)
+        except ValueError as err:
+            print(f"  {err}. Please answer again (empty: skip).")
+            raise
+
+    needs = ask_field("Which model will you train: a parameter count (7B), a local config or "
+                      "model folder, or a cached hub name (empty: skip the GPU memory check)? "
+                      "[skip]: ", need, default=None)
+    if needs is None:
+        return False
+
+    def size(raw: str):
+        try:
+            return parse_size(raw.strip(), "the GPU's memory")
+        except ValueError as err:
+            print(f"  {err}. Please answer again.")
+            raise
+
+    gpu = ask_field("How much memory does one GPU have, with a unit (24GiB, 80GB)? ", size)
+    if needs["zero_offload"] <= gpu:
+        print(f"With optimizer offload alone the GPU holds {human(needs['zero_offload'])} of "
+              f"model states ({needs['n_params']:,} params): that fits {human(gpu)} (leave "
+              "room for the activations).")
+        return False
+    fsdp2 = needs["fsdp2_offload"]
+    print(f"The {plugin.compute_dtype} weights alone are {human(needs['weights'])}: with "
+          f"optimizer offload alone the GPU would hold {human(needs['zero_offload'])}, more "
+          f"than its {human(gpu)}. FSDP2 parameter offload keeps the weights on the host too "
+          "and brings them to the GPU one layer group at a time"
+          + (f" (the GPU then holds {human(fsdp2)} of model states)." if fsdp2 is not None
+             else " (give the model's config to see what the GPU then holds)."))
+    return ask_field("Use FSDP2 parameter offload (accelerate's FSDP plugin, version 2, "
+                     f"parameters offloaded; the Trainer's {TRAINER_FLAGS})? [YES/no]: ",
+                     _yes, default=True)
+

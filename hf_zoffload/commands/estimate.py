@@ -9,22 +9,14 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import MASTER_DTYPES, STATE_DTYPES, parse_quantity, parse_size
+from ..config import MASTER_DTYPES, STATE_DTYPES, parse_size
 from .launch import SIDECAR_HELP, find_sidecar
-from .models import count_params, fsdp2_groups, model_config, split_params
+from .models import count_params, fsdp2_groups, model_config, parse_count, split_params
 
 description = (
     "Estimate model-state memory (GPU and host) with ZeRO-Offload and with plain AMP AdamW "
     "(16 B/param on the GPU), and whether it fits. Activations are not counted."
 )
-
-_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
-def parse_count(text: str) -> int:
-    """'7B' -> 7_000_000_000; '124M', '350k', '1.5e9' and '1_000' too."""
-    return parse_quantity(text, _COUNT, "parameter count", "7B, 124M, 1.5e9")
-
 
 def add_parser(subparsers):
     p = subparsers.add_parser("estimate", help=description, description=description)

@@ -9,6 +9,15 @@ import json
 import os
 import re
 
+from ..units import parse_quantity
+
+_COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """'7B' -> 7_000_000_000; '124M', '350k', '1.5e9' and '1_000' too."""
+    return parse_quantity(text, _COUNT, "parameter count", "7B, 124M, 1.5e9")
+
 
 ESTIMATE_ADVICE = ("(estimate never downloads); pass --model_type with --config_overrides, or "
                    "--params")

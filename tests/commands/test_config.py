@@ -132,8 +132,9 @@ def test_wizard_disabled_asks_nothing_more(monkeypatch):
 
     answers = iter(["no"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
-    enabled, plugin, chosen = config.ask_offload(mixed_precision="bf16")
+    enabled, plugin, chosen, fsdp2 = config.ask_offload(mixed_precision="bf16", on_gpu=True)
     assert enabled is False and chosen == [] and plugin == ZeroOffloadPlugin()
+    assert fsdp2 is False
 
 
 def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
@@ -149,7 +150,7 @@ def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
         return next(answers)
 
     monkeypatch.setattr("builtins.input", answer)
-    enabled, plugin, chosen = config.ask_offload(mixed_precision="bf16")
+    enabled, plugin, chosen, _ = config.ask_offload(mixed_precision="bf16")
     assert enabled and plugin.compute_dtype == "bf16" and plugin.save_dtype == "compute"
     assert chosen == ["save_dtype"]
     assert not any("dtype should the parameters have" in p for p in prompts)
@@ -197,3 +198,140 @@ def test_accelerate_wizard_internals(monkeypatch):
     monkeypatch.setattr("builtins.input", lambda prompt="": next(answers))
     assert config_utils._ask_field("q", int, default=7) == 7
     assert config_utils._ask_field("q", int, default=7) == 3
+
+
+# ------------------------------------------------------------ FSDP2 parameter offload
+DEEP_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=999)
+
+
+def _answers(monkeypatch, *answers):
+    """Feed ``answers`` to the questions in turn; the prompts asked, in order."""
+    prompts, left = [], iter(answers)
+
+    def answer(prompt=""):
+        prompts.append(prompt)
+        return next(left)
+
+    monkeypatch.setattr("builtins.input", answer)
+    return prompts
+
+
+def _deep_llama(tmp_path) -> str:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**DEEP_LLAMA).save_pretrained(tmp_path / "deep")
+    return str(tmp_path / "deep")
+
+
+def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, capsys,
+                                                                    tmp_path):
+    """On GPUs: the model and the GPU's memory; optimizer offload alone would need more than
+    the GPU has, FSDP2 parameter offload less (what `estimate --fsdp2_offload` counts): the
+    proposal, taken by default; then offload_fraction is not asked (it must stay 1)."""
+    from hf_zoffload.commands import config
+
+    model = _deep_llama(tmp_path)
+    needs = config.gpu_needs(model, ZeroOffloadPlugin(compute_dtype="bf16"))
+    assert needs["fsdp2_offload"] < needs["zero_offload"]
+    gpu = f"{needs['fsdp2_offload']}B"
+    # yes (ZeRO-Offload), the model, the GPU, "" (FSDP2: yes), then the defaults
+    prompts = _answers(monkeypatch, "yes", model, gpu, "", *[""] * 7)
+    enabled, plugin, chosen, fsdp2 = config.ask_offload(mixed_precision="bf16", on_gpu=True)
+    assert enabled and fsdp2 and chosen == []
+    out = capsys.readouterr().out
+    assert "with optimizer offload alone the GPU would hold" in out
+    assert "FSDP2 parameter offload keeps the weights on the host too" in out
+    assert any('--fsdp "full_shard offload" --zero_offload' in p for p in prompts)
+    assert not any("stay on the host" in p for p in prompts)
+    assert "offload_fraction stays 1" in out
+    # "no": optimizer offload alone, and offload_fraction is asked as before
+    prompts = _answers(monkeypatch, "yes", model, gpu, "no", *[""] * 8)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
+    assert any("stay on the host" in p for p in prompts)
+
+
+def test_wizard_does_not_propose_fsdp2_offload_where_the_gpu_holds_the_model(monkeypatch,
+                                                                              capsys, tmp_path):
+    from hf_zoffload.commands import config
+
+    model = _deep_llama(tmp_path)
+    # fits: said so, no proposal; skipped (empty model); a typo asked again
+    prompts = _answers(monkeypatch, "yes", model, "80GiB", *[""] * 8)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
+    assert "that fits 80.00 GiB" in capsys.readouterr().out
+    assert not any("Use FSDP2" in p for p in prompts)
+    prompts = _answers(monkeypatch, "yes", "", *[""] * 8)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
+    assert not any("How much memory" in p for p in prompts)
+    prompts = _answers(monkeypatch, "yes", str(tmp_path / "nothing"), "7B", "24", "24GiB",
+                       *[""] * 8)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
+    out = capsys.readouterr().out
+    assert "is neither a local config nor in the local cache (nothing is downloaded)" in out
+    assert "expected a number with a unit" in out  # "24", asked again
+    assert "7,000,000,000 params): that fits 24.00 GiB" in out
+    # a bare count that does not fit: proposed without the FSDP2 figure (no layers known)
+    _answers(monkeypatch, "yes", "70B", "80GiB", "yes", *[""] * 7)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is True
+    assert "give the model's config to see what the GPU then holds" in capsys.readouterr().out
+    # CPU processes (accelerate's "CPU only"): no model question at all
+    prompts = _answers(monkeypatch, "yes", *[""] * 8)
+    config.ask_offload(mixed_precision="bf16")
+    assert not any("Which model" in p for p in prompts)
+
+
+def _cluster(**fields):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    return ClusterConfig(**{"compute_environment": "LOCAL_MACHINE",
+                            "distributed_type": "MULTI_GPU", "mixed_precision": "bf16",
+                            "use_cpu": False, "debug": False, "num_processes": 2, **fields})
+
+
+def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypatch, capsys,
+                                                                        tmp_path):
+    """Taken: accelerate's yaml gets its FSDP plugin, version 2 with parameter offload
+    (accelerate's own defaults beside), which accelerate's loader reads back; the Trainer's
+    flags are printed."""
+    from accelerate.commands.config import config as acc_config
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    monkeypatch.setattr(acc_config, "get_user_input", lambda: _cluster())
+    _answers(monkeypatch, "yes", "70B", "80GiB", "", *[""] * 7)
+    cfg = tmp_path / "acc.yaml"
+    assert main(["config", "--config_file", str(cfg)]) == 0
+    loaded = load_config_from_file(str(cfg))
+    assert loaded.distributed_type == "FSDP"
+    assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_offload_params"]
+    assert loaded.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    out = capsys.readouterr().out
+    assert 'with the Trainer pass --fsdp "full_shard offload" --zero_offload' in out
+    side = yaml.safe_load(Path(sidecar_path(str(cfg))).read_text())
+    assert side == {"zero_offload": True, "zoffload": {}}  # nothing of FSDP2 in ours
+
+
+@pytest.mark.parametrize("fsdp, said", [
+    ({"fsdp_version": 1, "fsdp_offload_params": True}, "FSDP version 1 with parameter offload"),
+    ({"fsdp_version": 2, "fsdp_offload_params": False}, "FSDP version 2 without parameter"),
+])
+def test_wizard_refuses_an_fsdp_zero_offload_cannot_train(fsdp, said, monkeypatch, capsys,
+                                                          tmp_path):
+    """accelerate's answers chose another FSDP: one line, before our questions, nothing
+    written. FSDP2 with parameter offload chosen there is taken as it is (not asked)."""
+    from accelerate.commands.config import config as acc_config
+
+    monkeypatch.setattr(acc_config, "get_user_input",
+                        lambda: _cluster(distributed_type="FSDP", fsdp_config=fsdp))
+    prompts = _answers(monkeypatch)
+    cfg = tmp_path / "acc.yaml"
+    assert main(["config", "--config_file", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+    assert prompts == [] and not cfg.exists()
+    monkeypatch.setattr(acc_config, "get_user_input", lambda: _cluster(
+        distributed_type="FSDP", fsdp_config={"fsdp_version": 2, "fsdp_offload_params": True}))
+    prompts = _answers(monkeypatch, "yes", *[""] * 7)
+    assert main(["config", "--config_file", str(cfg)]) == 0
+    assert not any("Which model" in p or "stay on the host" in p for p in prompts)
+    assert "FSDP2 parameter offload, as accelerate's answers say" in capsys.readouterr().out
