@@ -70,7 +70,7 @@ def run(args) -> int:
     from accelerate.commands.config.config import get_user_input
 
     acc = get_user_input()
-    fsdp = _fsdp_config(acc)
+    fsdp = accelerate_fsdp(acc)
     if fsdp is not None:  # before our questions: one line, nothing written
         check_fsdp(fsdp)
     enabled, plugin, chosen, fsdp2 = ask_offload(
@@ -106,7 +106,7 @@ FSDP2_OFFLOAD = {"fsdp_version": 2, "fsdp_offload_params": True,
 TRAINER_FLAGS = '--fsdp "full_shard offload" --zero_offload'
 
 
-def _fsdp_config(acc) -> dict | None:
+def accelerate_fsdp(acc) -> dict | None:
     """accelerate's answers' FSDP config, or None when they chose no FSDP."""
     kind = getattr(acc, "distributed_type", None)
     return (acc.fsdp_config or {}) if str(getattr(kind, "value", kind)) == "FSDP" else None

@@ -10,6 +10,7 @@ import json
 import os
 
 from ..config import MASTER_DTYPES, STATE_DTYPES, parse_size
+from .config import accelerate_fsdp, check_fsdp, default_accelerate_config
 from .launch import SIDECAR_HELP, find_sidecar
 from .models import count_params, fsdp2_groups, model_config, parse_count, split_params
 
@@ -67,7 +68,8 @@ def add_parser(subparsers):
                         "with fsdp_version 2 and cpu_offload): the params live on the host "
                         "too and FSDP2 streams them to the GPU group by group, one group per "
                         "layer of the model's _no_split_modules (needs MODEL, --model or "
-                        "--model_type); --num_gpus ranks shard them")
+                        "--model_type); --num_gpus ranks shard them. Also on when "
+                        "accelerate's config (--config_file) chooses that FSDP plugin")
     p.add_argument("--grad_accumulation", action="store_true",
                    help="count the buffers of micro-step accumulation (one process: an "
                         "fp32 sum per grad set; N ranks: whole unreduced buckets too)")
@@ -93,19 +95,38 @@ def _model_config(args):
                         overrides=args.config_overrides)
 
 
-def check_fsdp2(plugin, *, tp: int, params_only: bool) -> None:
+def fsdp2_layout(args) -> tuple[bool, str]:
+    """Whether the figures are FSDP2 parameter offload's, and who said so: ``--fsdp2_offload``,
+    or accelerate's config (``--config_file``, else accelerate's default file, where `hf-zoffload
+    config` writes it) choosing its FSDP plugin. An FSDP there that ZeRO-Offload cannot train
+    is refused in one line, as the wizard refuses it (`config.check_fsdp`)."""
+    if args.fsdp2_offload:
+        return True, "--fsdp2_offload"
+    path = args.config_file or default_accelerate_config()
+    if not os.path.isfile(path):
+        return False, "default"
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    fsdp = accelerate_fsdp(load_config_from_file(path))
+    if fsdp is None:
+        return False, path
+    check_fsdp(fsdp)
+    return True, path
+
+
+def check_fsdp2(plugin, *, tp: int, params_only: bool, named_by: str) -> None:
     """What the engine refuses with FSDP2 parameter offload (offload/fsdp2.py, engine.py),
-    refused here in one line, before a model is built."""
+    refused here in one line, before a model is built; ``named_by``: who chose the mode."""
+    what = f"FSDP2 parameter offload ({named_by})"
     if params_only:
-        raise ValueError("--fsdp2_offload needs MODEL, --model or --model_type: the GPU side "
-                         "comes from the model's layers (FSDP2 streams one group per layer)")
+        raise ValueError(f"{what} needs MODEL, --model or --model_type: the GPU side comes "
+                         "from the model's layers (FSDP2 streams one group per layer)")
     if tp > 1:
-        raise ValueError(f"--fsdp2_offload with --tp_size {tp}: FSDP2 on a 2-D mesh is not "
-                         "supported (only a 1-D shard mesh); allowed: --tp_size 1")
+        raise ValueError(f"{what} with --tp_size {tp}: FSDP2 on a 2-D mesh is not supported "
+                         "(only a 1-D shard mesh); allowed: --tp_size 1")
     if plugin.offload_fraction_value != 1.0:
-        raise ValueError(f"--fsdp2_offload with offload_fraction {plugin.offload_fraction!r}: "
-                         "the params live on the host, so all optimizer state does; "
-                         "allowed: 1")
+        raise ValueError(f"{what} with offload_fraction {plugin.offload_fraction!r}: the "
+                         "params live on the host, so all optimizer state does; allowed: 1")
 
 
 def _fit(need: int, have: int | None) -> dict | None:
@@ -172,8 +193,9 @@ def compute(args) -> dict:
     if tp > 1 and args.params:
         raise ValueError("--tp_size needs MODEL, --model or --model_type: which params are "
                          "sharded comes from the model's tensor-parallel plan")
-    if args.fsdp2_offload:
-        check_fsdp2(plugin, tp=tp, params_only=bool(args.params))
+    fsdp2, fsdp2_from = fsdp2_layout(args)
+    if fsdp2:
+        check_fsdp2(plugin, tp=tp, params_only=bool(args.params), named_by=fsdp2_from)
     cfg = None if args.params else _model_config(args)
     split = None
     if tp > 1:
@@ -185,7 +207,7 @@ def compute(args) -> dict:
     count, frozen = n, parse_count(args.frozen_params)
     # FSDP2's groups: for the mode, or for the hint that proposes it when the GPU is short
     groups = fsdp2_groups(cfg, args.num_gpus) if cfg is not None and tp == 1 and (
-        args.fsdp2_offload or gpu is not None) else None
+        fsdp2 or gpu is not None) else None
 
     fraction = plugin.offload_fraction_value  # None: auto, decided below
     common = dict(compute_dtype=plugin.compute_dtype, bucket_size_mb=plugin.bucket_size_mb,
@@ -201,7 +223,7 @@ def compute(args) -> dict:
                               master_dtype=master_dtype, **common)
 
     def report_for(state_dtype, n=n, tp=tp, fraction=None, master_dtype=plugin.master_dtype):
-        if args.fsdp2_offload:
+        if fsdp2:
             return fsdp2_for(state_dtype, n, master_dtype)
         return estimate(n, world_size=args.num_gpus // tp, pinned=plugin.pin_memory,
                         state_dtype=state_dtype, master_dtype=master_dtype,
@@ -237,9 +259,10 @@ def compute(args) -> dict:
         row["fit"] = _fit(row["host_total_all_ranks"], host)
     mine = [r for r in by_mode if r["master_dtype"] == plugin.master_dtype]
     settings = {k: {"value": getattr(plugin, k), "from": where[k]} for k in SHOWN_SETTINGS}
+    settings["fsdp2_offload"] = {"value": fsdp2, "from": fsdp2_from}
     gpu_fit = _fit(report["device_total"], gpu)
     hint = fsdp2_hint = None
-    if gpu_fit and not gpu_fit["fits"] and cfg is not None and not args.fsdp2_offload:
+    if gpu_fit and not gpu_fit["fits"] and cfg is not None and not fsdp2:
         hint = _tp_hint(cfg, split, gpu, args.num_gpus, tp,
                         lambda n, t: report_for(plugin.state_dtype, n, t,
                                                 fraction)["device_total"])
@@ -250,7 +273,7 @@ def compute(args) -> dict:
     return {
         "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,
         "tp_split": split, "host_total_all_ranks": host_all,
-        "fsdp2_offload": groups if args.fsdp2_offload else None,
+        "fsdp2_offload": groups if fsdp2 else None,
         "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},

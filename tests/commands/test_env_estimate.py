@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import yaml
 
 from hf_zoffload.commands.estimate import parse_count, parse_size
 from hf_zoffload.commands.main import main
@@ -481,13 +482,13 @@ def test_estimate_fsdp2_offload_by_hand(capsys):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--params", "7B"], "--fsdp2_offload needs MODEL, --model or --model_type"),
+    (["--params", "7B"], "(--fsdp2_offload) needs MODEL, --model or --model_type"),
     (["--model_type", "llama", "--tp_size", "2", "--num_gpus", "2"],
-     "--fsdp2_offload with --tp_size 2: FSDP2 on a 2-D mesh is not supported"),
+     "(--fsdp2_offload) with --tp_size 2: FSDP2 on a 2-D mesh is not supported"),
     (["--model_type", "llama", "--offload_fraction", "0.5"],
-     "--fsdp2_offload with offload_fraction '0.5': the params live on the host"),
+     "(--fsdp2_offload) with offload_fraction '0.5': the params live on the host"),
     (["--model_type", "llama", "--offload_fraction", "auto", "--gpu_memory", "24GiB"],
-     "--fsdp2_offload with offload_fraction 'auto'"),
+     "(--fsdp2_offload) with offload_fraction 'auto'"),
 ])
 def test_estimate_fsdp2_offload_refuses_what_the_engine_refuses(argv, said, capsys):
     assert main(["estimate", *argv, "--fsdp2_offload"]) == 2
@@ -516,3 +517,29 @@ def test_estimate_proposes_fsdp2_offload_when_the_gpu_is_short(capsys, monkeypat
     assert _json(capsys, "--params", "7B", "--gpu_memory", "1GiB")["fsdp2_hint"] is None
     shallow = ["--model_type", "llama", "--config_overrides", FSDP2_LLAMA]
     assert _json(capsys, *shallow, "--gpu_memory", "1KiB")["fsdp2_hint"] is None
+
+
+def test_estimate_takes_fsdp2_offload_from_accelerates_config(tmp_path, capsys):
+    """The config the wizard writes (accelerate's FSDP plugin, version 2, parameters
+    offloaded) turns the mode on, and the settings line says from where; another FSDP there
+    is refused as the wizard refuses it; no FSDP leaves it off."""
+    cfg = tmp_path / "acc.yaml"
+    base = ["--model_type", "llama", "--config_overrides", FSDP2_LLAMA, "--config_file",
+            str(cfg)]
+    fsdp = {"fsdp_version": 2, "fsdp_offload_params": True}
+    cfg.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": fsdp}))
+    r = _json(capsys, *base)
+    assert r["settings"]["fsdp2_offload"] == {"value": True, "from": str(cfg)}
+    assert r["fsdp2_offload"]["groups"] == 2 and r["report"]["host"]["params"] > 0
+    assert main(["estimate", *base]) == 0
+    assert f"fsdp2_offload=True ({cfg})" in capsys.readouterr().out.splitlines()[0]
+    cfg.write_text(yaml.safe_dump({"distributed_type": "FSDP",
+                                   "fsdp_config": {**fsdp, "fsdp_version": 1}}))
+    assert main(["estimate", *base]) == 2
+    assert "chose FSDP version 1 with parameter offload" in capsys.readouterr().err
+    cfg.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU"}))
+    r = _json(capsys, *base)
+    assert r["settings"]["fsdp2_offload"] == {"value": False, "from": str(cfg)}
+    assert r["fsdp2_offload"] is None
+    assert _json(capsys, "--params", "7B")["settings"]["fsdp2_offload"] == {
+        "value": False, "from": "default"}
