@@ -217,9 +217,10 @@ def compute(args) -> dict:
     def fsdp2_for(state_dtype, n=n, master_dtype=plugin.master_dtype):
         # the padded shards are known for the model itself; another size (the largest that
         # fits) has no shapes: ceil(n / N)
+        # FSDP2's pinned shards (CPUOffloadPolicy's default, on a GPU machine): by param
         return estimate_fsdp2(n, root_params=groups["root"], largest_group=groups["largest"],
-                              local_params=groups["local"] if n == count else None,
-                              world_size=args.num_gpus, state_dtype=state_dtype,
+                              shard_numels=groups["shards"] if n == count else None,
+                              pinned=True, world_size=args.num_gpus, state_dtype=state_dtype,
                               master_dtype=master_dtype, **common)
 
     def report_for(state_dtype, n=n, tp=tp, fraction=None, master_dtype=plugin.master_dtype):
@@ -273,7 +274,7 @@ def compute(args) -> dict:
     return {
         "settings": settings, "report": report, "num_gpus": args.num_gpus, "tp_size": tp,
         "tp_split": split, "host_total_all_ranks": host_all,
-        "fsdp2_offload": groups if fsdp2 else None,
+        "fsdp2_offload": {k: v for k, v in groups.items() if k != "shards"} if fsdp2 else None,
         "fits": {"gpu_zero_offload": gpu_fit,
                  "gpu_plain_adamw": _fit(report["plain_adamw_device_total"], gpu),
                  "host_zero_offload": _fit(host_all, host)},

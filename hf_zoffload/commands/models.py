@@ -102,12 +102,13 @@ def fsdp2_groups(cfg, world: int = 1) -> dict:
     root's group): ``root`` and ``largest`` (trainable params of the root's group and of the
     largest other one), ``groups`` (how many others), ``layers`` (their class names) and
     ``local`` (this rank's elements of FSDP2's padded shards over ``world`` ranks:
-    ``ceil(dim0 / world) * row`` per param, rank 0 holding the longer ones)."""
+    ``ceil(dim0 / world) * row`` per param, rank 0 holding the longer ones; ``shards``: each
+    param's)."""
     model = meta_model(cfg)
     names = set(getattr(model, "_no_split_modules", None) or ())
     owners = {}  # module name -> trainable params of its group (root: "")
     wrapped = [n for n, m in model.named_modules() if type(m).__name__ in names and n]
-    local = 0
+    shards = []
     for name, p in model.named_parameters():  # tied weights once, as parameters()
         if not p.requires_grad:
             continue
@@ -115,9 +116,9 @@ def fsdp2_groups(cfg, world: int = 1) -> dict:
         owner = max((w for w in wrapped if name.startswith(w + ".")), key=len, default="")
         owners[owner] = owners.get(owner, 0) + p.numel()
         rows = p.shape[0] if p.ndim else 1
-        local += -(-rows // world) * (p.numel() // max(1, rows))
+        shards.append(-(-rows // world) * (p.numel() // max(1, rows)))
     others = [v for k, v in owners.items() if k]
     return {"root": owners.get("", 0), "largest": max(others, default=0),
             "groups": len(others), "layers": sorted(names & {type(m).__name__
                                                           for m in model.modules()}),
-            "local": local}
+            "local": sum(shards), "shards": shards}

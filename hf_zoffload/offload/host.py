@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 _ALIGN = 64  # bytes: every bucket's view starts on a cache line (and a 512-bit vector)
 
 
-def _pin_power_of_two(nbytes: int) -> int:
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned (CachingHostAllocator) holds for ``nbytes``: a power of two."""
     return 1 << max(0, (nbytes - 1).bit_length())
 
 
@@ -48,7 +49,7 @@ def plan_blocks(sizes: list[int], *, pinned: bool) -> list[tuple[int, list[tuple
                 placed.append((i, at))
                 at += sizes[i]
         if not placed:  # every buffer left is larger than cap: the first one on its own
-            placed, cap = [(left[0], 0)], _pin_power_of_two(sizes[left[0]])
+            placed, cap = [(left[0], 0)], pinned_bytes(sizes[left[0]])
         taken = {i for i, _ in placed}
         left = [i for i in left if i not in taken]
         blocks.append((cap, placed))

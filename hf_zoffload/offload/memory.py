@@ -16,7 +16,7 @@ import torch
 
 from ..ops.masters import master_format
 from ..ops.moments import FORMATS, moment_format
-from .host import plan_blocks
+from .host import pinned_bytes, plan_blocks
 from .support import local
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ def estimate(
 
 
 def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
-                   local_params: int | None = None, compute_dtype: str = "bf16",
+                   local_params: int | None = None, shard_numels: list[int] | None = None,
+                   pinned: bool = False, compute_dtype: str = "bf16",
                    bucket_size_mb: float = 32.0, world_size: int = 1, n_frozen: int = 0,
                    grad_accumulation: bool = False, delayed_update: bool = False,
                    state_dtype: str = "fp32", master_dtype: str = "fp32") -> dict:
@@ -114,7 +115,11 @@ def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
     Host: this rank's shard (``local_params`` elements: FSDP2 pads each param's dim 0 to a
     multiple of N, so rank 0 holds ``sum(ceil(dim0 / N) * row)``; default ``ceil(n / N)``,
     which the padding exceeds by at most N-1 rows a param) as FSDP2's sharded param in the
-    compute dtype, which is the engine's 16-bit copy (``params``), plus what the engine keeps
+    compute dtype, which is the engine's 16-bit copy (``params``; ``pinned``: FSDP2 pins each
+    param's shard on its own, as ``CPUOffloadPolicy(pin_memory=True)``, torch's and
+    accelerate's default, does on a GPU machine, and torch's pinned allocator holds a power
+    of two for each: ``shard_numels``, each param's elements on this rank, say how much),
+    plus what the engine keeps
     for it as with one process: master, moments, the grad landing buffer (a second with the
     delayed update). The engine's device is then the host, so nothing is pinned (64-byte
     aligned buckets, `host.plan_blocks`).
@@ -131,6 +136,8 @@ def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
                          f"be from 0 to n_params {n_params}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if shard_numels is not None:
+        local_params = sum(shard_numels)
     shard = -(-n_params // world_size) if local_params is None else local_params
     if shard * world_size < n_params:
         raise ValueError(f"local_params {shard} x world_size {world_size} holds fewer than "
@@ -139,7 +146,9 @@ def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
                       world_size=1, n_frozen=n_frozen, delayed_update=delayed_update,
                       pinned=False, state_dtype=state_dtype, master_dtype=master_dtype)
     w = _DTYPE_BYTES[compute_dtype]
-    host = {**report["host"], "params": shard * w}  # memory_report()'s order
+    params = shard * w if not pinned or shard_numels is None else \
+        sum(pinned_bytes(k * w) for k in shard_numels if k)
+    host = {**report["host"], "params": params}  # memory_report()'s order
     device = {"params": n_frozen * w,
               **device_bytes_fsdp2(root_params, largest_group, param_bytes=w,
                                    world_size=world_size),

@@ -443,7 +443,7 @@ FSDP2_LLAMA = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_att
 def test_estimate_fsdp2_offload_by_hand(capsys):
     """A tiny Llama in bf16 over 2 ranks: one fully_shard group per LlamaDecoderLayer, the
     root's group the embedding, the head and the final norm. Host per rank: FSDP2's padded
-    shard (dim 0 rounded up) as the bf16 params, master 4, moments 8, landing buffer 2;
+    shard (dim 0 rounded up) as the bf16 params (pinned), master 4, moments 8, landing 2;
     device: the root and two layers gathered, their grads and the root's, the larger
     reduce-scatter output's half."""
     root = 999 * 64 * 2 + 64
@@ -457,10 +457,13 @@ def test_estimate_fsdp2_offload_by_hand(capsys):
                                   "layers": ["LlamaDecoderLayer"], "local": local}
     rep = r["report"]
     assert rep["n_params"] == n
+    # FSDP2 pins each param's shard (CPUOffloadPolicy's default), in a power-of-two block:
+    # the embedding's and the head's 500 x 64 bf16 rows (64,000 B) take 65,536
+    pinned = 2 * 65_536 + 64 + 2 * (4 * 4096 + 3 * 8192 + 2 * 64)
     assert rep["host"] == {"master": 4 * local, "exp_avg": 4 * local, "exp_avg_sq": 4 * local,
                            "grad_staging": 2 * local, "grad_accumulation": 0,
-                           "params": 2 * local}
-    assert r["host_total_all_ranks"] == 2 * 16 * local
+                           "params": pinned}
+    assert r["host_total_all_ranks"] == 2 * (14 * local + pinned)
     assert rep["device"] == {"params": 0, "gathered_root": 2 * root,
                              "gathered_groups": 2 * 2 * layer,
                              "unsharded_grads": 2 * (root + root),  # the root outweighs 2 layers
@@ -472,7 +475,7 @@ def test_estimate_fsdp2_offload_by_hand(capsys):
     # the host rows by mode are this mode's: a bf16 master holds 2 B beside the 2 B params
     rows = {(m["master_dtype"], m["state_dtype"]): m["host_total_all_ranks"]
             for m in r["host_by_mode"]}
-    assert rows[("bf16", "bf16")] == 2 * (2 + 2 + 4 + 2) * local
+    assert rows[("bf16", "bf16")] == 2 * ((2 + 4 + 2) * local + pinned)
     assert main(["estimate", "--model_type", "llama", "--config_overrides", FSDP2_LLAMA,
                  "--fsdp2_offload", "--gpu_memory", "1GiB", "--host_memory", "1GiB"]) == 0
     out = capsys.readouterr().out

@@ -121,3 +121,14 @@ def test_two_ranks_host_bytes_equal_memory_report(tmp_path):
     assert got["report"]["host"]["params"] == est["host"]["params"] == 2 * local
     assert got["report"]["host"]["master"] == est["host"]["master"] == 4 * local
     assert 0 <= got["report"]["host_total"] - est["host_total"] <= 64 * len(list(net.parameters()))
+
+
+def test_pinned_shards_are_counted_as_torchs_pinned_allocator_holds_them():
+    """FSDP2 pins each param's shard on its own (CPUOffloadPolicy's default on a GPU
+    machine): a power of two each; unpinned, the bytes themselves."""
+    shards = [11008 * 4096, 4096 * 4096, 4096]  # Llama-2-7B's MLP and attention, a norm
+    pinned = estimate_fsdp2(sum(shards), root_params=0, largest_group=0, shard_numels=shards,
+                            pinned=True)["host"]["params"]
+    assert pinned == 2**27 + 2**25 + 2**13  # 86 MiB in a 128 MiB block
+    assert estimate_fsdp2(sum(shards), root_params=0, largest_group=0, shard_numels=shards
+                          )["host"]["params"] == 2 * sum(shards)
