@@ -358,3 +358,28 @@ def test_kernel_tests_script_needs_its_interpreter_and_scratch(tmp_path):
                           timeout=60)
     assert proc.returncode != 0 and "SCRATCH: a scratch folder" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing copied or built
+
+
+def _stage_argv(name: str) -> list[str]:
+    """The arguments a stage line gives its script (continuation lines joined), with the
+    script's own variables as gpu_check.sh sets them."""
+    text = (SCRIPTS / "gpu_check.sh").read_text().replace("\\\n", " ")
+    line = re.search(rf"^stage {name} \d+ \"\$PY\" (\S+) (.*)$", text, re.M)
+    return [a.strip('"').replace("$SCRATCH", "/scratch") for a in line[2].split()]
+
+
+def test_measured_stages_run_fsdp2_offload_with_arguments_their_scripts_take():
+    """The size and practicality stages include FSDP2 parameter offload (issue 26), and each
+    stage's command line parses with its script's own parser (a typo would show only on the
+    GPU machine)."""
+    bench = str(SCRIPTS / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import gpu_practicality
+        import gpu_size
+    finally:
+        sys.path.remove(bench)
+    size = gpu_size.parse_args(_stage_argv("size"))
+    assert size.fsdp2 and size.cap_gib == 9
+    practicality = gpu_practicality.parse_args(_stage_argv("practicality"))
+    assert practicality.fsdp2 and practicality.fractions == ["0", "0.5", "auto"]

@@ -92,6 +92,60 @@ def test_practicality_runs_its_three_ways_on_the_cpu(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in saved["results"])
 
 
+def test_fsdp2_line_compares_the_step_times():
+    alone = {"way": llama.ZOFFLOAD, "ms_per_step": 400.0}
+    ours = {"way": llama.FSDP2, "ms_per_step": 500.0}
+    theirs = {"way": llama.FSDP2_TORCH, "ms_per_step": 1500.0}
+    assert gpu_practicality.fsdp2_line([alone, ours, theirs]) == (
+        "FSDP2 parameter offload with ZeroOffloadOptimizer: 500 ms/step, 1.25x the step time "
+        "of optimizer offload alone (400 ms), 3.00x faster than FSDP2 with torch "
+        "AdamW(fused) on the host (1500 ms)")
+    assert gpu_practicality.fsdp2_line([alone, theirs]) is None
+    assert gpu_practicality.fsdp2_line([ours]).endswith("500 ms/step")
+
+
+def test_practicality_leaves_out_the_ways_its_time_limit_cannot_hold(monkeypatch, capsys):
+    """Under gpu_check.sh (its stage limit less 4 s): a way starts only while 1.1 x the longest
+    so far is left; those left out are named in a bold line, and the stage still passes."""
+    clock = {"t": 0.0}
+
+    def measure(name, make, **kw):
+        clock["t"] += 10.0  # each way takes 10 s
+        return {"way": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "final_loss": 1.0,
+                "peak_bytes": None}
+
+    monkeypatch.setattr(gpu_practicality, "measure", measure)
+    monkeypatch.setattr(gpu_practicality.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(llama, "one_rank_group", lambda device: gpu_practicality.contextlib
+                        .nullcontext())
+    monkeypatch.setenv("GPU_CHECK_STAGE_S", "40")  # 36 s: three ways and no more
+    rc = gpu_practicality.main(["--device", "cpu", "--fsdp2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert (f"summary: **not run, the 36 s time limit being near: {llama.FSDP2}; "
+            f"{llama.FSDP2_TORCH}**") in out
+    with pytest.raises(SystemExit):
+        gpu_practicality.parse_args(["--time_limit", "0"])
+
+
+@pytest.mark.slow
+def test_practicality_runs_the_fsdp2_ways_on_the_cpu(capsys):
+    """FSDP2 parameter offload on a one-rank gloo group over a CPU mesh, with our optimizer
+    and with torch's fused AdamW: both train (each loss finite), and the line compares them."""
+    rc = gpu_practicality.main(["--device", "cpu", "--overrides", TINY + ",num_hidden_layers=1",
+                                "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "1",
+                                "--fsdp2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = [x for x in out.splitlines() if x.startswith("summary: | ") and "---" not in x]
+    assert [r[len("summary: | "):].split(" | ")[0] for r in rows][-2:] == list(
+        gpu_practicality.FSDP2_WAYS)
+    assert "summary: FSDP2 parameter offload with ZeroOffloadOptimizer: " in out
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group is the script's, for the FSDP2 ways
+
+
 # ------------------------------------------------------------------ peers
 def _wheel(folder: Path, name: str, files: dict[str, str], version="9.9.0") -> Path:
     folder.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,7 @@ def test_plan_round_keeps_each_batch_within_the_host_budget():
 
 
 def _args(**kw):
-    base = dict(max_layers=12, time_limit=None, seq=8, device="cpu")
+    base = dict(max_layers=12, time_limit=None, seq=8, device="cpu", fsdp2=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -223,6 +223,51 @@ def test_search_stops_at_the_time_limit(monkeypatch, tmp_path):
                               "bound" in "\n".join(lines)
 
 
+# ------------------------------------------------------------------ size: FSDP2 offload
+def test_fsdp2_probes_one_rung_past_the_weights_wall():
+    """At 9 GiB the first rung whose bf16 weights alone pass the cap is 23 layers (4.92B
+    params, 9.16 GiB): what optimizer offload alone cannot train. Its host need (bf16 master,
+    int4 moments, FSDP2's pinned shards and the copies around them) makes the round two
+    batches on a 128 GiB host."""
+    ladder, base = list(range(1, 49)), llama.LLAMA_4096
+    wall = gpu_size.wall_rung(ladder, base, 9 * GiB)
+    assert ladder[wall] == 23 and round(2 * llama.n_params(base, 23) / GiB, 2) == 9.16
+    assert 2 * llama.n_params(base, 22) <= 9 * GiB
+    assert round(gpu_size.host_need("fsdp2", 23, base, "int4") / GiB) == 54
+    assert gpu_size.wall_rung([1, 2], base, 9 * GiB) is None  # the ladder does not reach it
+    s = gpu_size.OneRung("fsdp2", 48, wall)
+    assert s.next() == [wall] and not s.done
+    s.record(wall, {"result": "fits"})
+    assert s.done and s.next() == []
+
+
+def test_search_with_fsdp2_probes_its_rung_in_the_same_round(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCRATCH", str(tmp_path))
+    run, calls = _oracle({"amp": 1, "zoffload": 20, "fsdp2": 48})
+    ladder, searches, notes = gpu_size.search(_args(max_layers=40, fsdp2=True),
+                                              llama.LLAMA_4096, 9 * GiB, 128 * GiB, run=run)
+    assert notes == []
+    probes = [(s["way"], s["layers"], s["state_dtype"]) for b in calls for s in b]
+    assert ("fsdp2", 23, "int4") in probes and len(probes) == 5  # one round
+    assert len(calls) == 2  # in two batches: 62 + 40 + 54 GiB of probes over 128 GiB
+    lines, failures = gpu_size.report(ladder, searches, cap=9 * GiB, device="NVIDIA H200",
+                                      base=llama.LLAMA_4096, host_budget=108 * GiB)
+    assert failures == []
+    text = "\n".join(lines)
+    assert ("| ZeroOffloadOptimizer over FSDP2 parameter offload, bf16 master, state int4 | "
+            "23 layers | 4.92B | probed |") in text
+    assert ("within 9 GiB of the NVIDIA H200: FSDP2 parameter offload trained 23 layers (4.92B "
+            "params, whose bf16 weights alone are 9.16 GiB), device peak 8.00 GiB allocated; "
+            "the device need does not grow with the layers, so the host bounds it: 108 GiB "
+            "hold about") in text
+    # on a GPU, a probe that does not train its rung fails the stage
+    run, _ = _oracle({"amp": 1, "zoffload": 20, "fsdp2": 22})
+    ladder, searches, _ = gpu_size.search(_args(max_layers=40, fsdp2=True), llama.LLAMA_4096,
+                                          9 * GiB, 128 * GiB, run=run)
+    _, failures = gpu_size.report(ladder, searches, cap=9 * GiB, device="NVIDIA H200")
+    assert failures == ["FSDP2 parameter offload did not train 23 layers within the cap: oom: "]
+
+
 def test_report_fails_on_errors_an_unenforced_cap_and_no_gain():
     def probe(way, layers, result, reserved=8 * GiB, state=None):
         return {"way": way, "layers": layers, "state_dtype": state, "result": result,
@@ -263,6 +308,14 @@ def test_one_probe_in_this_process_on_the_cpu():
     assert r["result"] == "host" and "host memory" in r["message"]
     r = gpu_size.run_probe({**spec, "way": "amp", "state_dtype": None})
     assert r["result"] == "fits" and r["host_total"] is None
+    # FSDP2 parameter offload: built on the host, sharded over a one-rank gloo group, which
+    # the probe takes down again; the host holds its bf16 params (2 B) beside the state
+    r = gpu_size.run_probe({**spec, "way": "fsdp2", "state_dtype": "int4"})
+    assert r["result"] == "fits" and len(r["losses"]) == 2, r
+    assert r["host_total"] > 2 * r["n_params"]
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
 
 
 @pytest.mark.slow

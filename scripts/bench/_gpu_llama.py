@@ -8,13 +8,25 @@ The ways, by the bytes of model states each keeps on the device:
   the weights (2 B/param) through each forward.
 - ``zoffload``: `ZeroOffloadOptimizer` with bf16 compute: the bf16 params (2 B/param) and two
   gradient buckets; fp32 master weights and the moments on the host.
+- ``fsdp2``: FSDP2 parameter offload (``fully_shard`` per decoder layer and the root, with
+  ``CPUOffloadPolicy``, one rank) with `ZeroOffloadOptimizer` as its optimizer: the bf16
+  params live on the host too and FSDP2 brings them up a layer group at a time, so the
+  device holds the root's params and two layers' with their grads
+  (`memory.device_bytes_fsdp2`), whatever the layer count.
+- ``fsdp2_torch``: the same FSDP2 with torch's own way, an fp32 model with
+  ``MixedPrecisionPolicy(param_dtype=bf16)`` stepped by ``torch.optim.AdamW(fused=True)`` on
+  the host's fp32 shards and grads (its fused CPU kernel: the fastest torch AdamW there).
 
 Import-safe: transformers is imported on use (a script run without CUDA exits before).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+
 import torch
+import torch.distributed as dist
 
 # Llama-2-7B's layer and vocabulary, head untied: 202.4M params a layer, 262.1M in the
 # embeddings and the head.
@@ -27,6 +39,10 @@ LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                 head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
 AMP = "torch AdamW (fused), fp32 params, bf16 autocast, all on the device"
 ZOFFLOAD = "ZeroOffloadOptimizer, bf16 params, fp32 master weights and moments on the host"
+FSDP2 = ("ZeroOffloadOptimizer over FSDP2 parameter offload (CPUOffloadPolicy), bf16 params on "
+         "the host")
+FSDP2_TORCH = ("torch AdamW (fused) over FSDP2 parameter offload (CPUOffloadPolicy), fp32 "
+               "params on the host, bf16 compute")
 
 
 def with_overrides(base: dict, text: str, *, what: str = "--overrides") -> dict:
@@ -117,3 +133,76 @@ def token_ids(base: dict, batch: int, seq: int, device, *, seed: int = 1) -> tor
     """A fixed random batch, made on the CPU (the same values on any device)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, base["vocab_size"], (batch, seq), generator=g).to(device)
+
+
+@contextlib.contextmanager
+def one_rank_group(device):
+    """A one-rank process group for FSDP2 (NCCL on CUDA, gloo on the CPU) over an in-process
+    store, for as long as the block runs; one that is already there is used as it is."""
+    if dist.is_initialized():
+        yield
+        return
+    cuda = torch.device(device).type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device(device) if cuda else None)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_shard(model, device, *, mp=None):
+    """``fully_shard`` each decoder layer, then the root (the embeddings, the final norm and
+    the head: its own group), over a one-rank mesh on ``device`` with ``CPUOffloadPolicy``:
+    the sharded params move to the host (pinned on CUDA, the policy's default), whatever
+    device the model was built on. Needs `one_rank_group`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    cuda = torch.device(device).type == "cuda"
+    kw = {"mesh": init_device_mesh(torch.device(device).type, (1,)),
+          "offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def fsdp2_step(model, device, **plugin):
+    """(step, finish, engine): FSDP2 parameter offload of ``model`` (bf16, built on any
+    device) with `ZeroOffloadOptimizer` as its optimizer (bf16 compute and ``plugin``'s other
+    settings); the engine writes the new bf16 values into FSDP2's sharded host params."""
+    from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+
+    fsdp2_shard(model, device)
+    engine = ZeroOffloadOptimizer(model.parameters(), lr=1e-5, model=model,
+                                  plugin=ZeroOffloadPlugin(compute_dtype="bf16", **plugin))
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss.detach()
+    return step, engine.flush, engine
+
+
+def fsdp2_torch_step(model, device):
+    """(step, finish): FSDP2 parameter offload of the fp32 ``model`` as FSDP2 users run it:
+    bf16 compute (``MixedPrecisionPolicy``), ``torch.optim.AdamW(fused=True)`` over the fp32
+    sharded host params and their fp32 grads."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fsdp2_shard(model, device, mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, lambda: None

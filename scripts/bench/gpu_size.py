@@ -4,7 +4,9 @@
 The ways (scripts/bench/_gpu_llama.py): ``amp``, fp32 params, fused AdamW and bf16 autocast,
 all on the device (16 B/param of model states, 18 through a forward); ``zoffload``,
 `ZeroOffloadOptimizer` with bf16 compute (2 B/param on the device; on the host 14 B/param
-with fp32 state, about 8 with int8).
+with fp32 state, about 8 with int8); with ``--fsdp2``, ``fsdp2``: FSDP2 parameter offload
+(``fully_shard`` per layer, ``CPUOffloadPolicy``, one rank) with `ZeroOffloadOptimizer`, whose
+device holds the root's params and two layers' with their grads whatever the layer count.
 
 The model is Llama-2-7B's layer and vocabulary (hidden 4096, MLP 11008, 32 heads of 128, vocab
 32000, head untied: 202.4M params a layer, 262.1M in the embeddings and head); the ladder is
@@ -20,14 +22,23 @@ prediction and the next, then neighbours or points splitting the bracket. For zo
 lower rung runs with fp32 state, the upper with int8: the state changes host bytes only, so
 a round proves both (an fp32 fit implies int8 fits).
 
+FSDP2's device need does not grow with the layers, so within the cap only the host bounds it
+and its search would climb to the ladder's top, a probe of many GiB of host state: it probes
+one rung instead, the first whose bf16 weights alone exceed the cap (what optimizer offload
+alone cannot train), with a bf16 master and int4 moments (the smallest host state: the state
+dtype changes host bytes only), in the same rounds as the others. The largest model it
+trains is then the host's (``hf-zoffload estimate --fsdp2_offload``, printed for this host).
+
 Needs CUDA (``--device cpu``: the same on a tiny config, no cap, for the tests). Exits 1 when a
 probe fails for another reason than memory, when a fitting probe reserved more than the cap
-(the cap was not enforced), or when zoffload fits no more than amp.
+(the cap was not enforced), when zoffload fits no more than amp, or when fsdp2 did not train
+its rung.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,6 +56,7 @@ SCRIPT = "gpu_size.py"
 GiB = 2**30
 # Device bytes per param that the prediction assumes (the search measures; this only picks
 # where it starts): amp 16 of model states + 2 of autocast's weight copies; zoffload 2.
+# (fsdp2 probes one rung, `wall_rung`: no prediction.)
 BYTES_PER_PARAM = {"amp": 18, "zoffload": 2}
 # Beside the params: the fp32 logits of 512 x 32000 and their grad (0.13 GiB), the layer
 # being recomputed (~0.1 GiB), the checkpoints (4 MiB a layer), the largest param's bf16
@@ -54,7 +66,11 @@ OVERHEAD_BYTES = 0.75 * GiB
 PROCESS_HOST_BYTES = 3 * GiB  # a CUDA process's own host memory beside the engine's state
 HOST_SHARE = 0.85  # of what host_available() reports: the probes of a round together
 WAYS = ("amp", "zoffload")
-NAMES = {"amp": llama.AMP, "zoffload": "ZeroOffloadOptimizer, bf16 params"}
+FSDP2 = "fsdp2"
+NAMES = {"amp": llama.AMP, "zoffload": "ZeroOffloadOptimizer, bf16 params",
+         FSDP2: "ZeroOffloadOptimizer over FSDP2 parameter offload, bf16 master"}
+# The fsdp2 probe's host state: the smallest (the device side is the question there)
+FSDP2_STATE, FSDP2_MASTER = "int4", "bf16"
 
 
 def predicted_rung(way: str, ladder: list[int], base: dict, cap: float) -> int:
@@ -64,14 +80,28 @@ def predicted_rung(way: str, ladder: list[int], base: dict, cap: float) -> int:
     return fit[-1] if fit else 0
 
 
+def wall_rung(ladder: list[int], base: dict, cap: float) -> int | None:
+    """Index of the first rung whose bf16 weights alone exceed ``cap`` (None: none does)."""
+    return next((k for k, n in enumerate(ladder) if 2 * llama.n_params(base, n) > cap), None)
+
+
 def host_need(way: str, layers: int, base: dict, state_dtype: str | None) -> int:
-    """Host bytes of one probe: the engine's state (memory.estimate, pinned) and the process."""
+    """Host bytes of one probe: the engine's state (memory.estimate, pinned) and the process;
+    fsdp2: `memory.estimate_fsdp2` with a bf16 master, plus two more bf16 copies of the
+    params (its model is built on the host, and torch's pinned allocator keeps the blocks of
+    FSDP2's first pinned shards cached after the engine gives each param its new one)."""
     if way == "amp":
         return PROCESS_HOST_BYTES
-    from hf_zoffload.offload.memory import estimate
+    from hf_zoffload.offload.memory import estimate, estimate_fsdp2
 
-    return PROCESS_HOST_BYTES + estimate(llama.n_params(base, layers), compute_dtype="bf16",
-                                         state_dtype=state_dtype, pinned=True)["host_total"]
+    n = llama.n_params(base, layers)
+    if way == FSDP2:
+        layer = llama.n_params(base, 1) - llama.n_params(base, 0)
+        need = estimate_fsdp2(n, root_params=n - layers * layer, largest_group=layer,
+                              state_dtype=state_dtype, master_dtype=FSDP2_MASTER)
+        return PROCESS_HOST_BYTES + need["host_total"] + 2 * 2 * n
+    return PROCESS_HOST_BYTES + estimate(n, compute_dtype="bf16", state_dtype=state_dtype,
+                                         pinned=True)["host_total"]
 
 
 @dataclass
@@ -125,6 +155,19 @@ class Search:
             self.broken = True
 
 
+@dataclass
+class OneRung(Search):
+    """A search of one probe at ``pred`` (fsdp2: the first rung past the bf16 weights' wall);
+    ``lo`` / ``hi`` as `Search` records them."""
+
+    def next(self, k: int = 2) -> list[int]:
+        return [] if self.probes or self.broken else [self.pred]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.probes) or self.broken
+
+
 def plan_round(specs: list[dict], budget: float) -> list[list[dict]]:
     """The round's probes in batches run one after the other, each within ``budget`` host
     bytes in all (the largest first; a probe over the budget alone still runs, alone)."""
@@ -140,6 +183,30 @@ def plan_round(specs: list[dict], budget: float) -> list[list[dict]]:
 
 
 # ------------------------------------------------------------------------------ one probe
+def _two_steps(spec: dict, base: dict, layers: int, device) -> tuple[list[float], object]:
+    """Build the probe's model, train two steps (the second with the Adam state): (losses,
+    the engine or None). fsdp2's model is built on the host, where FSDP2 keeps its params
+    (sharding moves each layer through the device once): built on the device it would not
+    fit the cap it is there to pass."""
+    torch.manual_seed(0)
+    way = spec["way"]
+    model = llama.build_model(base, torch.float32 if way == "amp" else torch.bfloat16,
+                              "cpu" if way == FSDP2 else device, layers=layers,
+                              checkpointing=True)
+    limit = f"{int(spec['host_limit'])}B" if spec["host_limit"] else "0"
+    engine_kw = dict(state_dtype=spec["state_dtype"], cpu_threads=spec["threads"],
+                     host_memory_limit=limit)
+    if way == "amp":
+        step, engine = llama.amp_step(model)[0], None
+    elif way == FSDP2:
+        step, _, engine = llama.fsdp2_step(model, device, master_dtype=FSDP2_MASTER,
+                                           **engine_kw)
+    else:
+        step, _, engine = llama.zoffload_step(model, **engine_kw)
+    ids = llama.token_ids(base, 1, spec["seq"], device)
+    return [float(step(ids)) for _ in range(2)], engine
+
+
 def run_probe(spec: dict) -> dict:
     """In this process: build, two steps, the result (lack of memory is a result, not an
     exception)."""
@@ -153,20 +220,10 @@ def run_probe(spec: dict) -> dict:
            "n_params": llama.n_params(base, layers), "result": "error", "message": "",
            "host_total": None}
     t0 = time.perf_counter()
+    fsdp2 = spec["way"] == FSDP2
     try:
-        torch.manual_seed(0)
-        amp = spec["way"] == "amp"
-        model = llama.build_model(base, torch.float32 if amp else torch.bfloat16, device,
-                                  layers=layers, checkpointing=True)
-        if amp:
-            step, engine = llama.amp_step(model)[0], None
-        else:
-            limit = f"{int(spec['host_limit'])}B" if spec["host_limit"] else "0"
-            step, _, engine = llama.zoffload_step(model, state_dtype=spec["state_dtype"],
-                                                  cpu_threads=spec["threads"],
-                                                  host_memory_limit=limit)
-        ids = llama.token_ids(base, 1, spec["seq"], device)
-        losses = [float(step(ids)) for _ in range(2)]  # the second with the Adam state
+        with llama.one_rank_group(device) if fsdp2 else contextlib.nullcontext():
+            losses, engine = _two_steps(spec, base, layers, device)
         if cuda:
             torch.cuda.synchronize()
         if engine is not None:
@@ -229,6 +286,9 @@ def search(args, base: dict, cap: float, budget: float, run=run_batch, clock=tim
     """Both ways' searches over one ladder, round by round; (ladder, searches, notes)."""
     ladder = list(range(1, ladder_top(base, budget, args.max_layers) + 1))
     searches = {w: Search(w, len(ladder), predicted_rung(w, ladder, base, cap)) for w in WAYS}
+    wall = wall_rung(ladder, base, cap) if args.fsdp2 else None
+    if wall is not None:
+        searches[FSDP2] = OneRung(FSDP2, len(ladder), wall)
     t0, longest, notes = clock(), 0.0, []
     with tempfile.TemporaryDirectory(prefix="gpu_size_",
                                      dir=os.environ.get("SCRATCH") or None) as work:
@@ -261,7 +321,8 @@ def round_specs(s: Search, ladder: list[int], base: dict, args, cap: float) -> l
     int8 (the state dtype changes host bytes only)."""
     out = []
     for j, i in enumerate(s.next()):
-        state = None if s.way == "amp" else ("fp32" if j == 0 else "int8")
+        state = None if s.way == "amp" else FSDP2_STATE if s.way == FSDP2 else (
+            "fp32" if j == 0 else "int8")
         out.append({"way": s.way, "index": i, "layers": ladder[i], "state_dtype": state,
                     "host_need": host_need(s.way, ladder[i], base, state), "base": base,
                     "seq": args.seq, "cap": cap, "device": args.device, "threads": 0,
@@ -272,7 +333,7 @@ def round_specs(s: Search, ladder: list[int], base: dict, args, cap: float) -> l
 def share(batch: list[dict], budget: float) -> None:
     """The cores and the host memory among a batch's engines: each its share of the budget
     as ``host_memory_limit`` (at least its need when the batch fits), the cores split."""
-    zo = [s for s in batch if s["way"] == "zoffload"]
+    zo = [s for s in batch if s["way"] != "amp"]
     total = sum(s["host_need"] for s in batch)
     for s in zo:
         s["threads"] = max(1, (os.cpu_count() or 1) // len(zo))
@@ -308,11 +369,15 @@ def row(s: Search, state: str | None, ladder: list[int]) -> list:
             _gib(top.get("host_total")), failed]
 
 
-def report(ladder, searches, *, cap: float, device: str, notes=()):
-    """(summary lines, failures) from the searches."""
+def report(ladder, searches, *, cap: float, device: str, notes=(), base=None,
+           host_budget=None):
+    """(summary lines, failures) from the searches; with an fsdp2 search, ``base`` and
+    ``host_budget`` say how large a model the host would hold that way."""
     failures, notes = [], list(notes)
     rows = [row(searches["amp"], None, ladder), row(searches["zoffload"], "fp32", ladder),
             row(searches["zoffload"], "int8", ladder)]
+    if FSDP2 in searches:
+        rows.append(row(searches[FSDP2], FSDP2_STATE, ladder))
     lines = common.md_table(["way", "largest that trained 2 steps", "params", "evidence",
                              "peak device GiB (allocated / reserved)", "host state GiB",
                              "first rung that did not"], rows)
@@ -346,7 +411,43 @@ def report(ladder, searches, *, cap: float, device: str, notes=()):
             failures.append(f"ZeRO-Offload fits no larger model than AMP AdamW ({ratio:.2f}x)")
     else:
         lines += ["", f"within {where}: no ratio (a way had no fitting rung)"]
+    if FSDP2 in searches:
+        line, failed = fsdp2_lines(searches[FSDP2], where=where, cuda=device != "cpu",
+                                   base=base, host_budget=host_budget)
+        lines += line
+        failures += failed
     return lines + [f"**{n}**" for n in notes], failures
+
+
+def fsdp2_lines(s: Search, *, where: str, cuda: bool, base, host_budget) -> tuple[list, list]:
+    """The fsdp2 probe's line, and a failure (on CUDA) when it did not train its rung."""
+    if not s.probes:
+        return [], []
+    r = s.probes[-1]
+    weights = 2 * r["n_params"] if r.get("n_params") else None
+    if r["result"] != "fits":
+        return [], ([f"FSDP2 parameter offload did not train {r['layers']} layers within the "
+                     f"cap: {r['result']}: {r['message']}"] if cuda else [])
+    most = ""
+    if base is not None and host_budget:
+        from hf_zoffload.offload.memory import estimate_fsdp2
+
+        def need(n):  # the layers' split as this ladder's (root and a layer of base)
+            layer = llama.n_params(base, 1) - llama.n_params(base, 0)
+            return PROCESS_HOST_BYTES + estimate_fsdp2(
+                n, root_params=min(n, llama.n_params(base, 0)), largest_group=min(n, layer),
+                state_dtype=FSDP2_STATE, master_dtype=FSDP2_MASTER)["host_total"]
+        lo, hi = 0, int(host_budget)  # every way needs > 1 B a param
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= host_budget else (lo, mid)
+        most = (f"; the device need does not grow with the layers, so the host bounds it: "
+                f"{host_budget / GiB:.0f} GiB hold about {llama.count(lo)} params this way "
+                "(memory.estimate_fsdp2)")
+    return ["", f"within {where}: FSDP2 parameter offload trained {r['layers']} layers "
+                f"({llama.count(r['n_params'])} params, whose bf16 weights alone are "
+                f"{_gib(weights)} GiB), device peak {_gib(r.get('peak_allocated'))} GiB "
+                f"allocated" + most], []
 
 
 def parse_args(argv=None):
@@ -361,6 +462,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--overrides", default="",
                    help="model config changes, k=v,... (a tiny model for --device cpu)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="FSDP2 parameter offload too: one probe, at the first rung whose bf16 "
+                        "weights alone exceed the cap")
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: one probe
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -396,8 +500,10 @@ def main(argv=None) -> int:
     budget = HOST_SHARE * (have or 64 * GiB)
     print(f"host: {why}; the probes of a round share {budget / GiB:.0f} GiB of it")
     ladder, searches, notes = search(args, base, args.cap_gib * GiB, budget)
+    if args.fsdp2 and FSDP2 not in searches:
+        notes.append("fsdp2: no rung of the ladder has bf16 weights past the cap: not probed")
     lines, failures = report(ladder, searches, cap=args.cap_gib * GiB, device=device,
-                             notes=notes)
+                             notes=notes, base=base, host_budget=budget)
     per_layer = llama.n_params(base, 1) - llama.n_params(base, 0)
     lines += [f"hidden {base['hidden_size']}, {llama.count(per_layer)} params a layer; "
               f"ladder 1..{ladder[-1]} layers (the top: the most whose fp32 "
