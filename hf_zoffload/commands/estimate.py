@@ -215,13 +215,13 @@ def compute(args) -> dict:
                   delayed_update=plugin.delayed_update)
 
     def fsdp2_for(state_dtype, n=n, master_dtype=plugin.master_dtype):
-        # the padded shards are known for the model itself; another size (the largest that
-        # fits) has no shapes: ceil(n / N)
-        # FSDP2's pinned shards (CPUOffloadPolicy's default, on a GPU machine): by param
+        # FSDP2's pinned shards (CPUOffloadPolicy's default, on a GPU machine), by param; for
+        # another size (the largest that fits) each of the model's scaled to it
+        shards = groups["shards"] if n == count else [-(-k * n // count)
+                                                      for k in groups["shards"]]
         return estimate_fsdp2(n, root_params=groups["root"], largest_group=groups["largest"],
-                              shard_numels=groups["shards"] if n == count else None,
-                              pinned=True, world_size=args.num_gpus, state_dtype=state_dtype,
-                              master_dtype=master_dtype, **common)
+                              shard_numels=shards, pinned=True, world_size=args.num_gpus,
+                              state_dtype=state_dtype, master_dtype=master_dtype, **common)
 
     def report_for(state_dtype, n=n, tp=tp, fraction=None, master_dtype=plugin.master_dtype):
         if fsdp2:
