@@ -257,9 +257,9 @@ def test_search_with_fsdp2_probes_its_rung_in_the_same_round(monkeypatch, tmp_pa
     assert ("| ZeroOffloadOptimizer over FSDP2 parameter offload, bf16 master, state int4 | "
             "23 layers | 4.92B | probed |") in text
     assert ("within 9 GiB of the NVIDIA H200: FSDP2 parameter offload trained 23 layers (4.92B "
-            "params, whose bf16 weights alone are 9.16 GiB), device peak 8.00 GiB allocated; "
-            "the device need does not grow with the layers, so the host bounds it: 108 GiB "
-            "hold about") in text
+            "params, whose bf16 weights alone are 9.16 GiB), device peak 8.00 GiB allocated, "
+            "host 50.00 GiB by memory_report() and n/a GiB pinned by torch; the device need "
+            "does not grow with the layers, so the host bounds it: 108 GiB hold about") in text
     # on a GPU, a probe that does not train its rung fails the stage
     run, _ = _oracle({"amp": 1, "zoffload": 20, "fsdp2": 22})
     ladder, searches, _ = gpu_size.search(_args(max_layers=40, fsdp2=True), llama.LLAMA_4096,

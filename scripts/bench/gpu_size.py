@@ -242,6 +242,12 @@ def run_probe(spec: dict) -> dict:
     if cuda:
         out["peak_allocated"] = torch.cuda.max_memory_allocated(device)
         out["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+        # what torch's pinned allocator holds (FSDP2 pins each shard, and keeps the blocks
+        # it frees cached): the host bytes memory_report() does not see
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()
+        held = [stats[k] for k in ("allocated_bytes.current", "reserved_bytes.current")
+                if k in stats]
+        out["host_pinned"] = max(held) if held else None
     return out
 
 
@@ -444,10 +450,12 @@ def fsdp2_lines(s: Search, *, where: str, cuda: bool, base, host_budget) -> tupl
         most = (f"; the device need does not grow with the layers, so the host bounds it: "
                 f"{host_budget / GiB:.0f} GiB hold about {llama.count(lo)} params this way "
                 "(memory.estimate_fsdp2)")
+    pinned = f", host {_gib(r.get('host_total'))} GiB by memory_report() and " \
+        f"{_gib(r.get('host_pinned'))} GiB pinned by torch" if cuda else ""
     return ["", f"within {where}: FSDP2 parameter offload trained {r['layers']} layers "
                 f"({llama.count(r['n_params'])} params, whose bf16 weights alone are "
                 f"{_gib(weights)} GiB), device peak {_gib(r.get('peak_allocated'))} GiB "
-                f"allocated" + most], []
+                f"allocated{pinned}" + most], []
 
 
 def parse_args(argv=None):

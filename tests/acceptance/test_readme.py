@@ -40,7 +40,8 @@ RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
            ("python", "parallelize_module("): "test_tensor_parallel_snippet",
            ("text", "--params 7B"): "test_estimate_snippet",
            ("text", "--tp_size 8"): "test_estimate_tp_snippet",
-           ("text", "--offload_fraction 0.5"): "test_estimate_fraction_snippet"}
+           ("text", "--offload_fraction 0.5"): "test_estimate_fraction_snippet",
+           ("text", "--fsdp2_offload"): "test_estimate_fsdp2_snippet"}
 
 
 def test_every_snippet_has_a_runner():
@@ -234,6 +235,11 @@ def test_estimate_tp_snippet(tmp_path):
 
 def test_estimate_fraction_snippet(tmp_path):
     _run_estimate_snippet(tmp_path, "--offload_fraction 0.5")
+
+
+@pytest.mark.slow
+def test_estimate_fsdp2_snippet(tmp_path):
+    _run_estimate_snippet(tmp_path, "--fsdp2_offload")
 
 
 def _run_estimate_snippet(tmp_path, needle):
