@@ -71,11 +71,9 @@ def run(args) -> int:
 
     acc = get_user_input()
     fsdp = accelerate_fsdp(acc)
-    if fsdp is not None:  # before our questions: one line, nothing written
-        check_fsdp(fsdp)
     enabled, plugin, chosen, fsdp2 = ask_offload(
         mixed_precision=str(getattr(acc, "mixed_precision", "no")),
-        on_gpu=not getattr(acc, "use_cpu", False), fsdp2=fsdp is not None)
+        on_gpu=not getattr(acc, "use_cpu", False), fsdp=fsdp)
     if fsdp2 and fsdp is None:  # proposed and taken: accelerate's FSDP plugin does it
         from accelerate.utils import DistributedType
 
@@ -112,17 +110,17 @@ def accelerate_fsdp(acc) -> dict | None:
     return (acc.fsdp_config or {}) if str(getattr(kind, "value", kind)) == "FSDP" else None
 
 
-def check_fsdp(fsdp: dict) -> None:
+def check_fsdp(fsdp: dict, *, where: str = "accelerate's answers") -> None:
     """The FSDP that ZeRO-Offload trains with is FSDP2 with parameter offload (its sharded
-    params on the host, where the CPU-Adam writes them: offload/fsdp2.py); any other FSDP
-    answer is refused in one line before anything is written."""
+    params on the host, where the CPU-Adam writes them: offload/fsdp2.py); any other FSDP of
+    accelerate's config (``where``) is refused in one line."""
     version, offload = int(fsdp.get("fsdp_version", 1)), bool(fsdp.get("fsdp_offload_params"))
     if version != 2 or not offload:
         raise ValueError(
-            f"accelerate's answers chose FSDP version {version} "
-            f"{'with' if offload else 'without'} parameter offload; ZeRO-Offload trains with "
-            "FSDP only as FSDP2 parameter offload (version 2, offload parameters to CPU: "
-            "yes). Run `hf-zoffload config` again and answer those, or no FSDP")
+            f"{where}: FSDP version {version} {'with' if offload else 'without'} "
+            "parameter offload; ZeRO-Offload trains with FSDP only as FSDP2 parameter offload "
+            "(fsdp_version 2, fsdp_offload_params true: `hf-zoffload config` asks for them); "
+            "allowed: that, or no FSDP")
 
 
 def _accelerate_dtype(mixed_precision: str) -> str | None:
@@ -197,20 +195,24 @@ def _yes(raw: str) -> bool:
     return value.startswith("y")
 
 
-def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False, fsdp2: bool = False
-                ) -> tuple[bool, ZeroOffloadPlugin, list[str], bool]:
+def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
+                fsdp: dict | None = None) -> tuple[bool, ZeroOffloadPlugin, list[str], bool]:
     """The offload questions; returns (enabled, plugin, the settings the user chose, FSDP2
     parameter offload). ``on_gpu``: accelerate's answers train on GPUs, so the wizard asks
     for the model and the GPU's memory and proposes FSDP2 parameter offload where the
-    16-bit weights do not fit with optimizer offload alone; ``fsdp2``: accelerate's answers
-    chose it already."""
+    16-bit weights do not fit with optimizer offload alone; ``fsdp``: the FSDP config
+    accelerate's answers chose, if any (with ZeRO-Offload on, refused unless it is FSDP2
+    parameter offload: `check_fsdp`)."""
     from accelerate.commands.config.config_utils import _ask_field
 
     enabled = _ask_field(
         "Do you want to use ZeRO-Offload (fp32 master weights and Adam states in host memory, "
         "updated by the CPU)? [YES/no]: ", _yes, default=True)
     if not enabled:
-        return False, ZeroOffloadPlugin(), [], fsdp2
+        return False, ZeroOffloadPlugin(), [], False
+    fsdp2 = fsdp is not None
+    if fsdp2:  # before any other question: one line, nothing written
+        check_fsdp(fsdp)
     ask = _Asker()
     follows = _accelerate_dtype(mixed_precision)
     if follows:

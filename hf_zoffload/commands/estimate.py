@@ -110,7 +110,7 @@ def fsdp2_layout(args) -> tuple[bool, str]:
     fsdp = accelerate_fsdp(load_config_from_file(path))
     if fsdp is None:
         return False, path
-    check_fsdp(fsdp)
+    check_fsdp(fsdp, where=f"accelerate's config {path}")
     return True, path
 
 

@@ -312,23 +312,29 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
 
 
 @pytest.mark.parametrize("fsdp, said", [
-    ({"fsdp_version": 1, "fsdp_offload_params": True}, "FSDP version 1 with parameter offload"),
-    ({"fsdp_version": 2, "fsdp_offload_params": False}, "FSDP version 2 without parameter"),
+    ({"fsdp_version": 1, "fsdp_offload_params": True},
+     "accelerate's answers: FSDP version 1 with parameter offload"),
+    ({"fsdp_version": 2, "fsdp_offload_params": False},
+     "accelerate's answers: FSDP version 2 without parameter offload"),
 ])
 def test_wizard_refuses_an_fsdp_zero_offload_cannot_train(fsdp, said, monkeypatch, capsys,
                                                           tmp_path):
-    """accelerate's answers chose another FSDP: one line, before our questions, nothing
-    written. FSDP2 with parameter offload chosen there is taken as it is (not asked)."""
+    """accelerate's answers chose another FSDP: with ZeRO-Offload on, one line before our
+    other questions, nothing written; with it off, nothing to refuse. FSDP2 with parameter
+    offload chosen there is taken as it is (not asked)."""
     from accelerate.commands.config import config as acc_config
 
     monkeypatch.setattr(acc_config, "get_user_input",
                         lambda: _cluster(distributed_type="FSDP", fsdp_config=fsdp))
-    prompts = _answers(monkeypatch)
+    prompts = _answers(monkeypatch, "yes")
     cfg = tmp_path / "acc.yaml"
     assert main(["config", "--config_file", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1, err
-    assert prompts == [] and not cfg.exists()
+    assert len(prompts) == 1 and not cfg.exists()
+    _answers(monkeypatch, "no")
+    assert main(["config", "--config_file", str(cfg)]) == 0 and cfg.exists()
+    cfg.unlink()
     monkeypatch.setattr(acc_config, "get_user_input", lambda: _cluster(
         distributed_type="FSDP", fsdp_config={"fsdp_version": 2, "fsdp_offload_params": True}))
     prompts = _answers(monkeypatch, "yes", *[""] * 7)

@@ -539,7 +539,8 @@ def test_estimate_takes_fsdp2_offload_from_accelerates_config(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump({"distributed_type": "FSDP",
                                    "fsdp_config": {**fsdp, "fsdp_version": 1}}))
     assert main(["estimate", *base]) == 2
-    assert "chose FSDP version 1 with parameter offload" in capsys.readouterr().err
+    assert f"accelerate's config {cfg}: FSDP version 1 with parameter offload" in \
+        capsys.readouterr().err
     cfg.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU"}))
     r = _json(capsys, *base)
     assert r["settings"]["fsdp2_offload"] == {"value": False, "from": str(cfg)}
