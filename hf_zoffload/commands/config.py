@@ -322,12 +322,19 @@ def ask_param_offload(ask_field, plugin: ZeroOffloadPlugin) -> bool:
               "room for the activations).")
         return False
     fsdp2 = needs["fsdp2_offload"]
-    print(f"The {plugin.compute_dtype} weights alone are {human(needs['weights'])}: with "
-          f"optimizer offload alone the GPU would hold {human(needs['zero_offload'])}, more "
-          f"than its {human(gpu)}. FSDP2 parameter offload keeps the weights on the host too "
-          "and brings them to the GPU one layer group at a time"
-          + (f" (the GPU then holds {human(fsdp2)} of model states)." if fsdp2 is not None
-             else " (give the model's config to see what the GPU then holds)."))
+    short = (f"The {plugin.compute_dtype} weights alone are {human(needs['weights'])}: with "
+             f"optimizer offload alone the GPU would hold {human(needs['zero_offload'])}, more "
+             f"than its {human(gpu)}.")
+    if fsdp2 is not None and fsdp2 >= needs["zero_offload"]:  # a root group (embeddings,
+        # head) that outweighs two layers: streaming the layers saves nothing
+        print(f"{short} FSDP2 parameter offload would hold {human(fsdp2)} (the embeddings and "
+              "head stay gathered): no gain, so it is not proposed.")
+        return False
+    then = "" if fsdp2 is None else f" (the GPU then holds {human(fsdp2)} of model states" + (
+        ")." if fsdp2 <= gpu else ": that does not fit either).")
+    print(f"{short} FSDP2 parameter offload keeps the weights on the host too and brings them "
+          "to the GPU one layer group at a time"
+          + (then or " (give the model's config to see what the GPU then holds)."))
     return ask_field("Use FSDP2 parameter offload (accelerate's FSDP plugin, version 2, "
                      f"parameters offloaded; the Trainer's {TRAINER_FLAGS})? [YES/no]: ",
                      _yes, default=True)

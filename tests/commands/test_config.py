@@ -242,6 +242,7 @@ def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, 
     out = capsys.readouterr().out
     assert "with optimizer offload alone the GPU would hold" in out
     assert "FSDP2 parameter offload keeps the weights on the host too" in out
+    assert "of model states)." in out  # fits
     assert any('--fsdp "full_shard offload" --zero_offload' in p for p in prompts)
     assert not any("stay on the host" in p for p in prompts)
     assert "offload_fraction stays 1" in out
@@ -249,6 +250,10 @@ def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, 
     prompts = _answers(monkeypatch, "yes", model, gpu, "no", *[""] * 8)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     assert any("stay on the host" in p for p in prompts)
+    # a GPU smaller than even that: still proposed (the most it saves), and said so
+    _answers(monkeypatch, "yes", model, "1KiB", "no", *[""] * 8)
+    config.ask_offload(mixed_precision="bf16", on_gpu=True)
+    assert "of model states: that does not fit either)." in capsys.readouterr().out
 
 
 def test_wizard_does_not_propose_fsdp2_offload_where_the_gpu_holds_the_model(monkeypatch,
@@ -275,6 +280,15 @@ def test_wizard_does_not_propose_fsdp2_offload_where_the_gpu_holds_the_model(mon
     _answers(monkeypatch, "yes", "70B", "80GiB", "yes", *[""] * 7)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is True
     assert "give the model's config to see what the GPU then holds" in capsys.readouterr().out
+    # a model whose root group outweighs two layers: streaming them saves nothing
+    shallow = tmp_path / "shallow"
+    from transformers import LlamaConfig
+
+    LlamaConfig(**{**DEEP_LLAMA, "num_hidden_layers": 2}).save_pretrained(shallow)
+    prompts = _answers(monkeypatch, "yes", str(shallow), "1KiB", *[""] * 8)
+    assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
+    assert "no gain, so it is not proposed" in capsys.readouterr().out
+    assert not any("Use FSDP2" in p for p in prompts)
     # CPU processes (accelerate's "CPU only"): no model question at all
     prompts = _answers(monkeypatch, "yes", *[""] * 8)
     config.ask_offload(mixed_precision="bf16")
