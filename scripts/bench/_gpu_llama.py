@@ -142,10 +142,14 @@ def one_rank_group(device):
     if dist.is_initialized():
         yield
         return
-    cuda = torch.device(device).type == "cuda"
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    # NCCL binds the group to one device, which needs its index ("cuda" alone is refused)
+    bound = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                         else device.index) if cuda else None
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=120),
-                            device_id=torch.device(device) if cuda else None)
+                            device_id=bound)
     try:
         yield
     finally:

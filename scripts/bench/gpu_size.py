@@ -431,9 +431,10 @@ def fsdp2_lines(s: Search, *, where: str, cuda: bool, base, host_budget) -> tupl
         return [], []
     r = s.probes[-1]
     weights = 2 * r["n_params"] if r.get("n_params") else None
-    if r["result"] != "fits":
+    if r["result"] != "fits":  # error and timeout fail the stage already (`report`)
         return [], ([f"FSDP2 parameter offload did not train {r['layers']} layers within the "
-                     f"cap: {r['result']}: {r['message']}"] if cuda else [])
+                     f"cap: {r['result']}: {r['message']}"]
+                    if cuda and r["result"] in ("oom", "host") else [])
     most = ""
     if base is not None and host_budget:
         from hf_zoffload.offload.memory import estimate_fsdp2
