@@ -308,9 +308,15 @@ def test_one_probe_in_this_process_on_the_cpu():
     assert r["result"] == "host" and "host memory" in r["message"]
     r = gpu_size.run_probe({**spec, "way": "amp", "state_dtype": None})
     assert r["result"] == "fits" and r["host_total"] is None
-    # FSDP2 parameter offload: built on the host, sharded over a one-rank gloo group, which
-    # the probe takes down again; the host holds its bf16 params (2 B) beside the state
-    r = gpu_size.run_probe({**spec, "way": "fsdp2", "state_dtype": "int4"})
+
+
+def test_one_fsdp2_probe_in_this_process_on_the_cpu():
+    """FSDP2 parameter offload: built on the host, sharded over a one-rank gloo group, which
+    the probe takes down again; the host holds its bf16 params (2 B) beside the state."""
+    base = llama.with_overrides(llama.LLAMA_4096, TINY)
+    spec = {"way": "fsdp2", "layers": 2, "state_dtype": "int4", "base": base, "seq": 16,
+            "cap": 9 * GiB, "device": "cpu", "threads": 1, "host_limit": 2 * GiB}
+    r = gpu_size.run_probe(spec)
     assert r["result"] == "fits" and len(r["losses"]) == 2, r
     assert r["host_total"] > 2 * r["n_params"]
     import torch.distributed as dist
