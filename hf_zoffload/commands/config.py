@@ -90,7 +90,8 @@ def run(args) -> int:
     if fsdp2:
         print(f"FSDP2 parameter offload: `hf-zoffload launch --config_file {path} "
               "your_script.py` runs it through accelerate's FSDP plugin; with the Trainer "
-              f"pass {TRAINER_FLAGS}")
+              f"pass {TRAINER_FLAGS}; `hf-zoffload estimate --config_file {path} MODEL` "
+              "counts it (fsdp2_offload)")
     return 0
 
 

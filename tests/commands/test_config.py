@@ -321,6 +321,12 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
     assert loaded.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     out = capsys.readouterr().out
     assert 'with the Trainer pass --fsdp "full_shard offload" --zero_offload' in out
+    assert f"`hf-zoffload estimate --config_file {cfg} MODEL` counts it" in out
+    # and it does: the config written turns estimate's mode on
+    from hf_zoffload.commands.estimate import fsdp2_layout
+
+    args = type("Args", (), {"fsdp2_offload": False, "config_file": str(cfg)})()
+    assert fsdp2_layout(args) == (True, str(cfg))
     side = yaml.safe_load(Path(sidecar_path(str(cfg))).read_text())
     assert side == {"zero_offload": True, "zoffload": {}}  # nothing of FSDP2 in ours
 
