@@ -1,17 +1,42 @@
-"""`prepare_zero_offload` over a model sharded by ``fully_shard`` with ``CPUOffloadPolicy``
-(one gloo rank in this process). accelerate 1.15 applies its FSDP plugin only on GPU
-processes (``DistributedType.FSDP`` comes from the MULTI_GPU-like types; on CPUs the plugin
-is not used), so on CPUs the model is sharded by hand, as here."""
+"""`prepare_zero_offload` with FSDP2 parameter offload (one gloo rank in this process): over a
+model sharded by hand (``fully_shard`` with ``CPUOffloadPolicy``), and with accelerate's FSDP
+plugin, which integrations/fsdp2.py applies with accelerate's own ``fsdp2_prepare_model``:
+given as ``fsdp_plugin=`` (accelerate 1.15 drops a plugin given to a CPU process's
+Accelerator), read from ``accelerate launch``'s environment, or held by the accelerator as
+on a GPU process (simulated: the state a GPU process's Accelerator has)."""
 
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from hf_zoffload import prepare_zero_offload
+from hf_zoffload.integrations import fsdp2
 from hf_zoffload.offload.fsdp2 import Fsdp2Exchange
+from tests._tiny import batches, tiny_llama
 from tests.offload import _fsdp2_worker as w
-from tests.offload.test_fsdp2 import _close_every_step, one_rank, reference
+from tests.offload.test_fsdp2 import ATOL, RTOL, _close_every_step, one_rank, reference
+
+LR, MAX_NORM, STEPS = 3e-3, 0.5, 3
+# What `--fsdp "full_shard offload"` gives accelerate (transformers 5.24), with the
+# transformer-layer policy the Trainer's default auto_wrap_policy names.
+PLUGIN = dict(fsdp_version=2, cpu_offload=True, state_dict_type="FULL_STATE_DICT",
+              auto_wrap_policy="transformer_based_wrap")
+# fsdp2_prepare_model's groups for the tiny Llama: each decoder layer (the policy), the
+# embedding, the tail (final norm and head, one group), the root.
+GROUPS = ["", "lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+
+
+@pytest.fixture(autouse=True)
+def no_fsdp_env(monkeypatch):
+    """Accelerator(fsdp_plugin=...) sets ACCELERATE_USE_FSDP=true in os.environ; restored."""
+    for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS",
+                "FSDP_STATE_DICT_TYPE", "FSDP_AUTO_WRAP_POLICY"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
 
 
 @pytest.fixture
@@ -54,3 +79,134 @@ def test_prepare_zero_offload_refuses_fsdp2_without_cpu_offload(accelerator):
     with pytest.raises(ValueError, match="FSDP2 without CPU offload"):
         prepare_zero_offload(accelerator, model, opt)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# ------------------------------------------------------------ accelerate's FSDP plugin
+def _llama_reference(steps: int = STEPS):
+    """torch.optim.AdamW on the whole tiny Llama: each step's params."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out = []
+    for ids in batches(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _train_llama(accelerator, **kw):
+    """The tiny Llama and a torch AdamW through prepare_zero_offload(**kw), fp32; each step's
+    whole params."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model, opt = prepare_zero_offload(accelerator, model, opt, compute_dtype="fp32", **kw)
+    out = []
+    for ids in batches(STEPS):
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        out.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+    return model, opt, out
+
+
+def _close_to(got, ref):
+    assert len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert a.keys() == b.keys()
+        for n in a:
+            assert torch.allclose(a[n], b[n], atol=ATOL, rtol=RTOL), \
+                (step, n, float((a[n] - b[n]).abs().max()))
+
+
+def _groups(model) -> list[str]:
+    return sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+
+
+def test_fsdp_plugin_shards_with_accelerates_policy_and_trains_like_adamw(accelerator):
+    """``fsdp_plugin=``: the whole model is sharded by accelerate's fsdp2_prepare_model (its
+    groups), the engine trains its host shards in the FSDP2 mode like torch AdamW on the
+    whole model, and the saved weights are the whole fp32 masters."""
+    model, opt, got = _train_llama(accelerator,
+                                   fsdp_plugin=FullyShardedDataParallelPlugin(**PLUGIN))
+    assert _groups(model) == GROUPS
+    assert isinstance(opt.optimizer.exchange, Fsdp2Exchange)
+    assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu"
+               for p in model.parameters())
+    # the engine's groups hold the sharded params (fully_shard replaced every param)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == \
+        {id(p) for p in model.parameters()}
+    _close_to(got, _llama_reference())
+    saved = accelerator.get_state_dict(model)
+    for n, p in got[-1].items():
+        assert type(saved[n]) is torch.Tensor and torch.equal(saved[n], p)
+
+
+def test_fsdp_plugin_from_accelerate_launchs_environment(accelerator, monkeypatch):
+    """``accelerate launch`` with an FSDP config exports ACCELERATE_USE_FSDP and FSDP_*: the
+    plugin accelerate builds from them is applied (NO_WRAP: embedding, tail and root)."""
+    for key, value in (("ACCELERATE_USE_FSDP", "true"), ("FSDP_VERSION", "2"),
+                       ("FSDP_OFFLOAD_PARAMS", "true"),
+                       ("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")):
+        monkeypatch.setenv(key, value)
+    model, opt, got = _train_llama(accelerator)
+    assert _groups(model) == ["", "lm_head", "model.embed_tokens", "model.norm"]
+    _close_to(got, _llama_reference())
+
+
+def test_accelerator_holding_the_plugin_leaves_fsdp_mode(accelerator, monkeypatch):
+    """A GPU process's Accelerator(fsdp_plugin=...) holds the plugin with distributed_type
+    FSDP (simulated here on this CPU process, whose data-parallel type stands in for
+    MULTI_GPU): prepare_zero_offload applies it and puts the accelerator back to the
+    data-parallel type, so accelerate's prepare does not shard again and its accumulate does
+    not hold FSDP2's gradients unsharded (``is_fsdp2`` False); it trains like AdamW."""
+    before = accelerator.distributed_type
+    monkeypatch.setitem(fsdp2._DATA_PARALLEL, "cpu", before)
+    plugin = FullyShardedDataParallelPlugin(**PLUGIN)
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    model, _, got = _train_llama(accelerator)
+    assert accelerator.distributed_type == before and not accelerator.is_fsdp2
+    assert PartialState().distributed_type == before
+    assert _groups(model) == GROUPS
+    _close_to(got, _llama_reference())
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(fsdp_version=1), "FSDP1"),
+    (dict(cpu_offload=False), "FSDP2 without CPU offload"),
+    (dict(state_dict_type="SHARDED_STATE_DICT"), "state_dict_type SHARDED_STATE_DICT"),
+    (dict(activation_checkpointing=True), "activation_checkpointing"),
+    (dict(mixed_precision_policy={"param_dtype": torch.bfloat16,
+                                  "reduce_dtype": torch.bfloat16,
+                                  "output_dtype": torch.bfloat16}), "param_dtype"),
+], ids=["fsdp1", "no-offload", "sharded-state-dict", "plugin-ac", "param-dtype"])
+def test_fsdp_layouts_the_engine_cannot_train_refuse_before_anything_changes(
+        accelerator, kw, match):
+    plugin = FullyShardedDataParallelPlugin(**{**PLUGIN, **kw})
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=match):
+        prepare_zero_offload(accelerator, model, opt, fsdp_plugin=plugin, compute_dtype="fp32")
+    assert not fsdp2.is_sharded(model) and not opt.state
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32
+               for p in model.parameters())
+
+
+def test_hsdp_and_fsdp_with_tensor_parallelism_refuse():
+    plugin = FullyShardedDataParallelPlugin(**PLUGIN)
+    assert "HSDP" in fsdp2.why_not(plugin, dtype=torch.float32, replicas=2)
+    assert "tensor parallelism" in fsdp2.why_not(plugin, dtype=torch.float32, tp=2)
+    assert fsdp2.why_not(plugin, dtype=torch.float32) is None
+
+
+def test_a_model_sharded_by_hand_and_a_plugin_refuse(accelerator):
+    model = w.shard(w.Net(), 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="sharded by fully_shard already"):
+        prepare_zero_offload(accelerator, model, opt,
+                             fsdp_plugin=FullyShardedDataParallelPlugin(**PLUGIN))
