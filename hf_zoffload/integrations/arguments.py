@@ -155,11 +155,10 @@ def _check_args(self) -> None:
                          "--weight_decay)") from None
 
 
-def _check_fsdp(self, given, dtype) -> None:
+def _check_fsdp(self, given, config, dtype) -> None:
     """``--fsdp`` / ``fsdp_config`` with ``--zero_offload``: FSDP2 with CPU offload only
     (integrations/fsdp2.py), refused otherwise before the model is loaded."""
-    where = f"--zero_offload with --fsdp {given!r}" + (" and fsdp_config" if self.fsdp_config
-                                                        else "")
+    where = f"--zero_offload with --fsdp {given!r}" + (" and fsdp_config" if config else "")
     args = self.fsdp_plugin_args
     if args is None:  # TrainingArguments builds no plugin for XLA's FSDP
         raise ValueError(f"{where}: XLA's FSDP is not supported; allowed: FSDP2 with CPU "
@@ -264,7 +263,7 @@ def _post_init(self) -> None:
         raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
                          "becomes the compute dtype), or neither for fp32")
     said_off = self.zero_offload is False
-    fsdp_given = self.fsdp  # TrainingArguments turns it into True
+    fsdp_given = (self.fsdp, self.fsdp_config)  # TrainingArguments rewrites both
     if self.zero_offload is None:
         enabled = enabled_from_sources(default=None)  # None: no source says on or off
         said_off, self.zero_offload = enabled is False, bool(enabled)
@@ -280,7 +279,7 @@ def _post_init(self) -> None:
         cuda = torch.cuda.is_available() and not self.use_cpu
         plugin.check_device("cuda" if cuda else "cpu")
         if self.fsdp:
-            _check_fsdp(self, fsdp_given, plugin.torch_dtype)
+            _check_fsdp(self, *fsdp_given, plugin.torch_dtype)
         try:  # the engine would refuse them inside train()
             moment_format(plugin.state_dtype).check_betas(self.adam_beta1, self.adam_beta2)
         except ValueError as err:
