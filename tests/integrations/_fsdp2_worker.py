@@ -58,10 +58,14 @@ def whole(model) -> dict[str, torch.Tensor]:
 def trainer(out: str, *, fsdp: bool, resume_from: str | None = None, **kw) -> dict:
     """4 steps of 2 micro-batches of 4 blocks (split between the ranks), fp32, clipping that
     bites, checkpoints at 2 and 4; resumed from ``resume_from`` if given. Returns the logged
-    losses and norms, the whole params, the host bytes and the exchange's class."""
+    losses and norms, the rows of a micro-step over all ranks, the whole params, the host
+    bytes and the exchange's class."""
     AcceleratorState._reset_state()  # an earlier job's accelerate state
     GradientState._reset_state()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # torchrun's (and `one_rank`'s) WORLD_SIZE: the process group is up only once the first
+    # job's arguments have set it up, so asking torch.distributed gave the first job of a run
+    # a per-rank batch of BATCH and the later ones BATCH // 2 (the "2-rank discrepancy").
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     args = ZeroOffloadTrainingArguments(**{
         "output_dir": out, "zero_offload": True, "fsdp": FSDP if fsdp else None,
         "per_device_train_batch_size": BATCH // world, "gradient_accumulation_steps": 2,
@@ -75,6 +79,7 @@ def trainer(out: str, *, fsdp: bool, resume_from: str | None = None, **kw) -> di
     tr.train(resume_from_checkpoint=resume_from)
     logs = [e for e in tr.state.log_history if "loss" in e]
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
+            "rows": args.per_device_train_batch_size * world,
             "params": whole(tr.model), "host": tr.engine.memory_report()["host_total"],
             "exchange": type(tr.engine.exchange).__name__}
 
