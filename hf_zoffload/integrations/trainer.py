@@ -147,11 +147,14 @@ class ZeroOffloadTrainer(Trainer):
                 raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
                                  f"({_MULTI_DEVICE}); launch one process per GPU with "
                                  "torchrun, accelerate launch or hf-zoffload launch")
-            if targs.auto_find_batch_size and targs.fsdp:
+            model = bound.get("model")
+            sharded = isinstance(model, torch.nn.Module) and fsdp2.is_sharded(model)
+            if targs.auto_find_batch_size and (targs.fsdp or sharded):
                 # the retry rebuilds the engine, which FSDP2 refuses after its first forward
-                raise ValueError("--auto_find_batch_size with --zero_offload and --fsdp: the "
+                what = "--fsdp" if targs.fsdp else "a model sharded by fully_shard"
+                raise ValueError(f"--auto_find_batch_size with --zero_offload and {what}: the "
                                  "retry would rebuild the optimizer after FSDP2's first forward."
-                                 " Find the batch size without --fsdp, then set "
+                                 " Find the batch size without FSDP2, then set "
                                  "--per_device_train_batch_size")
             if targs.auto_find_batch_size and targs.world_size > 1:
                 # An out-of-memory error is one rank's: its retry would leave the other ranks
@@ -230,10 +233,27 @@ class ZeroOffloadTrainer(Trainer):
 
     def _shard(self, model) -> None:
         check_model(model)
-        if self._fsdp_plugin is not None and fsdp2.is_sharded(model):
+        if not fsdp2.is_sharded(model):
+            parallel.setup(self.accelerator, model)
+            return
+        # A model sharded by hand (fully_shard with CPUOffloadPolicy): trained as --fsdp's,
+        # the engine's FSDP2 mode refusing what it cannot train when it is built.
+        if self._fsdp_plugin is not None:
             raise ValueError("the model is sharded by fully_shard already and --fsdp (or "
                              "accelerate's FSDP config) asks to shard it: pass one of them")
-        parallel.setup(self.accelerator, model)
+        tp, _ = parallel.parallel_sizes(self.accelerator.parallelism_config,
+                                        self.accelerator.num_processes)
+        if tp > 1:
+            raise ValueError(f"a model sharded by fully_shard with tensor parallelism "
+                             f"(tp_size={tp}): use one of them")
+        core.take_whole_tensors(model)  # a checkpoint to resume from loads before the engine
+
+    def _move_model_to_device(self, model, device) -> None:
+        # FSDP2 keeps each rank's shard on the host (CPUOffloadPolicy) and copies a layer's
+        # to the device for its forward and backward; .to(device) would move the shards.
+        if self.zero_offload and fsdp2.is_sharded(model):
+            return None
+        return super()._move_model_to_device(model, device)
 
     def _build_accelerator_args(self, **kwargs):
         out = super()._build_accelerator_args(**kwargs)
