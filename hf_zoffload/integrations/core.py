@@ -27,7 +27,8 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
 - Tensor parallelism: the saved weights (masters, or with ``save_dtype=compute`` the model's
   tensors) and the optimizer state (the engine's ``consolidate_state_dict``) are
   gathered whole onto the first rank, every rank taking part; a checkpoint loads with any
-  tensor-parallel size, or none.
+  tensor-parallel size, or none: a model with DTensor params (tensor-parallel, or FSDP2's
+  shards) takes whole tensors in ``load_state_dict`` (`take_whole_tensors`).
 """
 
 from __future__ import annotations

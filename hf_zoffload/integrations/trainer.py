@@ -54,7 +54,10 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   accelerate's ``fsdp2_prepare_model`` before it builds the engine over the sharded params
   (integrations/fsdp2.py). Checkpoints are the plain ones: ``model.safetensors`` (the whole
   fp32 masters) and ``optimizer.pt`` (gathered on rank 0), so they resume with another number
-  of ranks and without FSDP. Other FSDP layouts are refused by the arguments.
+  of ranks and without FSDP; ``load_best_model_at_end`` loads the best one into FSDP2's
+  shards and the masters (core.take_whole_tensors). Other FSDP layouts are refused by the
+  arguments. A model sharded by hand (``fully_shard`` with ``CPUOffloadPolicy``) without
+  ``--fsdp`` is trained the same way: it is not moved to the device (`_move_model_to_device`).
 """
 
 from __future__ import annotations
