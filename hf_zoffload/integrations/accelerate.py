@@ -41,12 +41,12 @@ import functools
 import logging
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.fsdp2 import fsdp2_states
-from . import core, parallel
+from . import core, fsdp2, parallel
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
 
@@ -58,9 +58,11 @@ def zero_offload_enabled(*, environ=None) -> bool:
     return enabled_from_sources(default=True, environ=environ)
 
 
-def _check_accelerator(accelerator) -> None:
+def _check_accelerator(accelerator, fsdp_plugin) -> None:
     allowed = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-    if accelerator.distributed_type not in allowed:
+    # FSDP: a GPU process's accelerator with the FSDP plugin, which `fsdp2.check` decides on
+    if accelerator.distributed_type not in allowed and not (
+            accelerator.distributed_type == DistributedType.FSDP and fsdp_plugin is not None):
         raise ValueError(
             f"ZeRO-Offload needs accelerate's distributed_type NO, MULTI_CPU or MULTI_GPU, got "
             f"{accelerator.distributed_type}: it replaces DeepSpeed/FSDP/Megatron optimizers "
@@ -162,7 +164,8 @@ def _repoint_schedulers(objects, old, engine) -> None:
 
 
 def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None = None,
-                         enabled: bool | None = None, **settings):
+                         enabled: bool | None = None,
+                         fsdp_plugin: FullyShardedDataParallelPlugin | None = None, **settings):
     """Drop-in for ``accelerator.prepare(*objects)`` that offloads the optimizer.
 
     ``objects`` are what `accelerator.prepare` takes; exactly one optimizer among them, a
@@ -177,6 +180,13 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     model (the same weights on every rank) is sharded here with its transformers plan, before
     the engine is built over the AdamW's groups; one already sharded must match ``tp_size``.
     Data parallelism over the other ranks is ``dp_shard_size`` (integrations/parallel.py).
+
+    FSDP2 parameter offload: accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2,
+    cpu_offload=True, state_dict_type="FULL_STATE_DICT")``, given as ``fsdp_plugin`` (CPU
+    processes: accelerate drops a plugin given to ``Accelerator``), or the accelerator's
+    (GPU processes), or ``accelerate launch``'s FSDP environment. The whole model is sharded
+    here with accelerate's ``fsdp2_prepare_model`` before the engine is built over the AdamW's
+    groups (integrations/fsdp2.py); other FSDP layouts are refused before anything changes.
     """
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     models = [m for m in objects if isinstance(m, torch.nn.Module)]
@@ -198,7 +208,8 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     if len(optimizers) != 1:
         raise ValueError(f"prepare_zero_offload needs exactly one optimizer among the objects, "
                          f"got {len(optimizers)}")
-    _check_accelerator(accelerator)
+    fsdp = fsdp2.requested(accelerator, fsdp_plugin)
+    _check_accelerator(accelerator, fsdp)
     old = optimizers[0]
     tp, _ = parallel.parallel_sizes(accelerator.parallelism_config, accelerator.num_processes)
     if tp > 1 and accelerator.project_configuration.save_on_each_node:
@@ -206,6 +217,8 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
                          "weights and optimizer state are gathered there): drop "
                          "save_on_each_node")
     trained_here = [m for m in models if core.trains(m, old)]
+    if fsdp is not None:
+        _check_fsdp(accelerator, fsdp, old, trained_here, plugin, settings)
     if isinstance(old, ZeroOffloadOptimizer):
         engine = old
         if plugin is not None or settings:
@@ -225,10 +238,13 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
         plugin = plugin or _plugin(accelerator, settings)
         _check_dtype(accelerator, plugin)
         plugin.check_device(torch.device(accelerator.device).type)
-        # tensor parallelism: a whole model is sharded before it moves to the device
+        # tensor parallelism, or FSDP2: a whole model is sharded before it moves to the device
         sharded = {}
         for m in trained_here:
             sharded.update(parallel.setup(accelerator, m))
+        if fsdp is not None:
+            fsdp2.leave_fsdp_mode(accelerator)  # everything is checked: nothing refuses now
+            sharded.update(fsdp2.shard(accelerator, trained_here[0], fsdp))
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
                 # FSDP2 with CPU offload keeps its sharded params on the host and moves them
@@ -262,6 +278,26 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
             o = accelerator.prepare_model(o, evaluation_mode=True)
         ready.append(o)
     return accelerator.prepare(*ready)
+
+
+def _check_fsdp(accelerator, fsdp, old, trained_here, plugin, settings) -> None:
+    """Everything about the FSDP plugin that refuses, before anything changes."""
+    if len(trained_here) != 1:
+        raise ValueError(f"ZeRO-Offload with FSDP2 trains one model; the optimizer's params are "
+                         f"in {len(trained_here)} of the models passed")
+    if fsdp2.is_sharded(trained_here[0]):
+        raise ValueError("the model is sharded by fully_shard already and an FSDP plugin asks "
+                         "to shard it: pass one of them (fsdp_plugin=, the Accelerator's, "
+                         "ACCELERATE_USE_FSDP)")
+    if isinstance(old, ZeroOffloadOptimizer):
+        raise ValueError("an FSDP plugin asks to shard the model, but the ZeroOffloadOptimizer "
+                         "was built on the whole model: pass a torch AdamW (the model is "
+                         "sharded first), or shard the model yourself before building it")
+    engine_plugin = plugin or _plugin(accelerator, settings)
+    pc = accelerator.parallelism_config
+    tp, _ = parallel.parallel_sizes(pc, accelerator.num_processes)
+    fsdp2.check(fsdp, dtype=engine_plugin.torch_dtype, tp=tp,
+                replicas=pc.dp_replicate_size if pc is not None else 1)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -12,7 +12,9 @@ the sidecar yaml > the default.
 Nothing given is ignored: with offload on, Trainer options the offload path has no use for
 raise (`UNUSED`, `_check_args`), and a Trainer that is not a ZeroOffloadTrainer refuses these
 arguments (`_get_process_log_level`); with offload off, ``--zero_offload_<name>`` is refused
-or, when offload was turned off on purpose, logged as unused (`_check_off`).
+or, when offload was turned off on purpose, logged as unused (`_check_off`). ``--fsdp`` /
+``fsdp_config`` go with ``--zero_offload`` for FSDP2 with CPU offload only (`_check_fsdp`);
+the model then stays on the host until it is sharded (`_place_model_on_device`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 from dataclasses import field, make_dataclass
 
 import torch
+from accelerate.utils import FullyShardedDataParallelPlugin
 from transformers import Trainer, TrainingArguments
 
 from ..config import (
@@ -36,6 +39,7 @@ from ..config import (
 )
 from ..ops.cpu_adam import check_hyper
 from ..ops.moments import moment_format
+from . import fsdp2
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +131,6 @@ def _check_args(self) -> None:
         raise ValueError("--zero_offload and --deepspeed cannot be combined: both own the "
                          "optimizer state. Drop --deepspeed, or drop --zero_offload and use "
                          "DeepSpeed's own offload_optimizer")
-    if self.fsdp:
-        raise ValueError(f"--zero_offload and --fsdp {self.fsdp!r} cannot be combined: FSDP "
-                         "shards the parameters the engine keeps whole. Drop one of them")
     optim = getattr(self.optim, "value", self.optim)
     if optim not in ALLOWED_OPTIMS:
         raise ValueError(f"--zero_offload runs AdamW on the host, so --optim {optim!r} cannot "
@@ -152,6 +153,34 @@ def _check_args(self) -> None:
     except (TypeError, ValueError) as err:
         raise ValueError(f"{err} (lr: --learning_rate, eps: --adam_epsilon, weight_decay: "
                          "--weight_decay)") from None
+
+
+def _check_fsdp(self, given, config, dtype) -> None:
+    """``--fsdp`` / ``fsdp_config`` with ``--zero_offload``: FSDP2 with CPU offload only
+    (integrations/fsdp2.py), refused otherwise before the model is loaded."""
+    where = f"--zero_offload with --fsdp {given!r}" + (" and fsdp_config" if config else "")
+    args = self.fsdp_plugin_args
+    if args is None:  # TrainingArguments builds no plugin for XLA's FSDP
+        raise ValueError(f"{where}: XLA's FSDP is not supported; allowed: FSDP2 with CPU "
+                         "offload (--fsdp \"full_shard offload\")")
+    if args["fsdp_version"] != 2:  # checked first: an FSDP1 plugin needs a device to build
+        raise ValueError(f"{where}: FSDP{args['fsdp_version']} (fsdp_config version "
+                         f"{args['fsdp_version']}) is not supported; allowed: FSDP2 (version 2, "
+                         "the default) with CPU offload (--fsdp \"full_shard offload\")")
+    pc = self.parallelism_config
+    why = fsdp2.why_not(FullyShardedDataParallelPlugin(**args), dtype=dtype,
+                        tp=pc.tp_size if pc is not None else 1,
+                        replicas=pc.dp_replicate_size if pc is not None else 1)
+    if why:
+        raise ValueError(f"{where}: {why}")
+
+
+def _place_model_on_device(self):
+    # FSDP2 parameter offload: the params stay on the host, where fully_shard keeps each
+    # rank's shard; FSDP2 copies a layer's to the device for its forward and backward.
+    if self.zero_offload and (self.fsdp or fsdp2.requested(None) is not None):
+        return False
+    return TrainingArguments.place_model_on_device.fget(self)
 
 
 def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
@@ -234,6 +263,7 @@ def _post_init(self) -> None:
         raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
                          "becomes the compute dtype), or neither for fp32")
     said_off = self.zero_offload is False
+    fsdp_given = (self.fsdp, self.fsdp_config)  # TrainingArguments rewrites both
     if self.zero_offload is None:
         enabled = enabled_from_sources(default=None)  # None: no source says on or off
         said_off, self.zero_offload = enabled is False, bool(enabled)
@@ -248,6 +278,8 @@ def _post_init(self) -> None:
         # the distributed state from inside the arguments).
         cuda = torch.cuda.is_available() and not self.use_cpu
         plugin.check_device("cuda" if cuda else "cpu")
+        if self.fsdp:
+            _check_fsdp(self, *fsdp_given, plugin.torch_dtype)
         try:  # the engine would refuse them inside train()
             moment_format(plugin.state_dtype).check_betas(self.adam_beta1, self.adam_beta2)
         except ValueError as err:
@@ -286,6 +318,7 @@ ZeroOffloadTrainingArguments = make_dataclass(
         "__post_init__": _post_init,
         "get_process_log_level": _get_process_log_level,
         "zero_offload_plugin": _zero_offload_plugin,
+        "place_model_on_device": property(_place_model_on_device),
         "__doc__": "TrainingArguments plus `zero_offload`, one `zero_offload_<knob>` per "
                    "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "
                    "default) and the Trainer's own `zero_offload_log_history_extras`. --fp16 "

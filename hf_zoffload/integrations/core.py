@@ -27,7 +27,8 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
 - Tensor parallelism: the saved weights (masters, or with ``save_dtype=compute`` the model's
   tensors) and the optimizer state (the engine's ``consolidate_state_dict``) are
   gathered whole onto the first rank, every rank taking part; a checkpoint loads with any
-  tensor-parallel size, or none.
+  tensor-parallel size, or none: a model with DTensor params (tensor-parallel, or FSDP2's
+  shards) takes whole tensors in ``load_state_dict`` (`take_whole_tensors`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 from transformers.utils import (
     SAFE_WEIGHTS_INDEX_NAME,
@@ -54,7 +55,8 @@ from transformers.utils import (
 )
 
 __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
-           "engine_params", "tensor_parallel", "trains", "prepare_models", "saved_state_dict",
+           "engine_params", "tensor_parallel", "trains", "prepare_models", "take_whole_tensors",
+           "saved_state_dict",
            "remove_model_weights", "show_info_logs", "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
@@ -64,6 +66,8 @@ TIMINGS = ("fwd_bwd", "grad_wait", "cpu_adam", "upload_host", "d2h_copy", "h2d_c
 _ENGINE_ATTR, _OWN_ATTR = "_zero_offload_engine", "_zero_offload_own"
 # model -> its state_dict pre-hook that lands the engine's delayed update (prepare_models)
 _FLUSH_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# models whose load_state_dict takes whole tensors for their DTensor params (take_whole_tensors)
+_TAKES_WHOLE: weakref.WeakSet = weakref.WeakSet()
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -151,7 +155,31 @@ def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.M
         if isinstance(model, PreTrainedModel) and "save_pretrained" not in vars(model):
             # Bound to this instance (a deepcopy rebinds it to the copy); the class is untouched.
             model.save_pretrained = types.MethodType(_save_pretrained, model)
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            take_whole_tensors(model)  # tensor-parallel or FSDP2: what we save loads back
     return trained
+
+
+def take_whole_tensors(model: torch.nn.Module) -> None:
+    """Make ``model.load_state_dict`` take whole tensors for its DTensor params (tensor
+    parallelism, FSDP2's shards): what the integrations save, what a Trainer resuming from a
+    checkpoint or loading its best one loads. Each becomes this rank's part of it, cut where
+    DTensor puts the local shard (no collective; FSDP2 cuts its shards by the same rule,
+    torch.chunk's), and ``copy_`` writes that part into the param's local tensor."""
+    if model in _TAKES_WHOLE:
+        return
+    _TAKES_WHOLE.add(model)
+
+    def whole_to_parts(module, state_dict, prefix, *_args):
+        # remove_duplicate=False: a tied param's every name (a state dict may hold both)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            got = state_dict.get(prefix + name)
+            if isinstance(p, DTensor) and isinstance(got, torch.Tensor) and \
+                    not isinstance(got, DTensor) and got.shape == p.shape:
+                state_dict[prefix + name] = distribute_tensor(
+                    got, p.device_mesh, p.placements, src_data_rank=None)
+
+    model.register_load_state_dict_pre_hook(whole_to_parts)
 
 
 def _flusher(engine):

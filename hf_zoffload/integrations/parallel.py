@@ -27,15 +27,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import weakref
 
 import accelerate
 import torch
 import torch.distributed as dist
 import transformers
 from accelerate.utils import DistributedType
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+
+from . import core
 
 try:
     # transformers.distributed.tensor_parallel is new in 5.16.0 (5.15 and before have
@@ -269,30 +270,8 @@ def setup(accelerator, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     if tp == 1:
         return {}
     sharded = {} if have > 1 else shard_model(model, accelerator.torch_device_mesh["tp"])
-    _load_whole_tensors(model)
+    core.take_whole_tensors(model)
     return sharded
-
-
-def _load_whole_tensors(model: torch.nn.Module) -> None:
-    """Make ``model.load_state_dict`` take whole tensors for its DTensor params (what the
-    integrations save, and what a Trainer resuming from a checkpoint loads): each becomes
-    this rank's part of it, cut where DTensor puts the local shard (no collective)."""
-    if model in _TAKES_WHOLE:
-        return
-    _TAKES_WHOLE.add(model)
-
-    def whole_to_parts(module, state_dict, prefix, *_args):
-        for name, p in module.named_parameters():
-            got = state_dict.get(prefix + name)
-            if isinstance(p, DTensor) and isinstance(got, torch.Tensor) and \
-                    not isinstance(got, DTensor) and got.shape == p.shape:
-                state_dict[prefix + name] = distribute_tensor(
-                    got, p.device_mesh, p.placements, src_data_rank=None)
-
-    model.register_load_state_dict_pre_hook(whole_to_parts)
-
-
-_TAKES_WHOLE: weakref.WeakSet = weakref.WeakSet()
 
 
 def data_parallel_group(accelerator):

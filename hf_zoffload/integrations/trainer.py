@@ -47,6 +47,17 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   `call_model_init`); accelerate's data loader gives the tensor-parallel ranks the same
   batches; the engine trains the local shards and averages over the data-parallel group;
   checkpoints and saved weights are gathered whole (integrations/parallel.py).
+- FSDP2 parameter offload: ``--fsdp "full_shard offload"`` (or ``fsdp_config`` with version 2
+  and ``cpu_offload``; accelerate launch's FSDP environment): the plugin is taken out of the
+  accelerator's hands (`_build_accelerator_args`; on GPU processes the accelerator is put back
+  to plain data parallel), the model stays on the host, and `create_optimizer` shards it with
+  accelerate's ``fsdp2_prepare_model`` before it builds the engine over the sharded params
+  (integrations/fsdp2.py). Checkpoints are the plain ones: ``model.safetensors`` (the whole
+  fp32 masters) and ``optimizer.pt`` (gathered on rank 0), so they resume with another number
+  of ranks and without FSDP; ``load_best_model_at_end`` loads the best one into FSDP2's
+  shards and the masters (core.take_whole_tensors). Other FSDP layouts are refused by the
+  arguments. A model sharded by hand (``fully_shard`` with ``CPUOffloadPolicy``) without
+  ``--fsdp`` is trained the same way: it is not moved to the device (`_move_model_to_device`).
 """
 
 from __future__ import annotations
@@ -70,7 +81,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
-from . import completeness, core, parallel
+from . import completeness, core, fsdp2, parallel
 from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
 
 logger = logging.getLogger(__name__)
@@ -121,6 +132,7 @@ class ZeroOffloadTrainer(Trainer):
     # ZeroOffloadTrainingArguments(zero_offload=True) refuse any Trainer without it
     # (arguments.py, `_get_process_log_level`): only this class builds the engine.
     builds_zero_offload_engine = True
+    _fsdp_plugin = None  # accelerate's FSDP2 plugin, applied by `create_optimizer` (fsdp2.py)
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
@@ -138,6 +150,15 @@ class ZeroOffloadTrainer(Trainer):
                 raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
                                  f"({_MULTI_DEVICE}); launch one process per GPU with "
                                  "torchrun, accelerate launch or hf-zoffload launch")
+            model = bound.get("model")
+            sharded = isinstance(model, torch.nn.Module) and fsdp2.is_sharded(model)
+            if targs.auto_find_batch_size and (targs.fsdp or sharded):
+                # the retry rebuilds the engine, which FSDP2 refuses after its first forward
+                what = "--fsdp" if targs.fsdp else "a model sharded by fully_shard"
+                raise ValueError(f"--auto_find_batch_size with --zero_offload and {what}: the "
+                                 "retry would rebuild the optimizer after FSDP2's first forward."
+                                 " Find the batch size without FSDP2, then set "
+                                 "--per_device_train_batch_size")
             if targs.auto_find_batch_size and targs.world_size > 1:
                 # An out-of-memory error is one rank's: its retry would leave the other ranks
                 # waiting in the engine's collectives (`_inner_training_loop`).
@@ -158,9 +179,6 @@ class ZeroOffloadTrainer(Trainer):
         if self.is_deepspeed_enabled:
             raise ValueError("zero_offload=True and a DeepSpeed accelerate config cannot be "
                              "combined; launch without DeepSpeed")
-        if self.is_fsdp_enabled:
-            raise ValueError("zero_offload=True and an FSDP accelerate config cannot be "
-                             "combined; launch without FSDP")
         self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
         core.show_info_logs(main_process=self.args.should_log)  # the report at default levels
@@ -197,6 +215,16 @@ class ZeroOffloadTrainer(Trainer):
             raise ValueError("zero_offload=True with tensor parallelism saves on the first rank "
                              "only (the weights and optimizer state are gathered there): drop "
                              "--save_on_each_node")
+        # FSDP2 parameter offload: the plugin (--fsdp / fsdp_config, or accelerate launch's
+        # FSDP environment) is applied when the optimizer is created; accelerate runs as
+        # plain data parallel on GPU processes too, as it does on CPU ones (fsdp2.py).
+        self._fsdp_plugin = fsdp2.requested(self.accelerator, self._fsdp_plugin)
+        if self._fsdp_plugin is not None:
+            fsdp2.check(self._fsdp_plugin, dtype=self.args.zero_offload_plugin().torch_dtype,
+                        tp=tp, replicas=getattr(self.accelerator.parallelism_config,
+                                                "dp_replicate_size", 1))
+            fsdp2.leave_fsdp_mode(self.accelerator)
+            self.is_fsdp_enabled = False
         if self.model is not None:
             self._shard(self.model)
 
@@ -208,12 +236,34 @@ class ZeroOffloadTrainer(Trainer):
 
     def _shard(self, model) -> None:
         check_model(model)
-        parallel.setup(self.accelerator, model)
+        if not fsdp2.is_sharded(model):
+            parallel.setup(self.accelerator, model)
+            return
+        # A model sharded by hand (fully_shard with CPUOffloadPolicy): trained as --fsdp's,
+        # the engine's FSDP2 mode refusing what it cannot train when it is built.
+        if self._fsdp_plugin is not None:
+            raise ValueError("the model is sharded by fully_shard already and --fsdp (or "
+                             "accelerate's FSDP config) asks to shard it: pass one of them")
+        tp, _ = parallel.parallel_sizes(self.accelerator.parallelism_config,
+                                        self.accelerator.num_processes)
+        if tp > 1:
+            raise ValueError(f"a model sharded by fully_shard with tensor parallelism "
+                             f"(tp_size={tp}): use one of them")
+        core.take_whole_tensors(model)  # a checkpoint to resume from loads before the engine
+
+    def _move_model_to_device(self, model, device) -> None:
+        # FSDP2 keeps each rank's shard on the host (CPUOffloadPolicy) and copies a layer's
+        # to the device for its forward and backward; .to(device) would move the shards.
+        if self.zero_offload and fsdp2.is_sharded(model):
+            return None
+        return super()._move_model_to_device(model, device)
 
     def _build_accelerator_args(self, **kwargs):
         out = super()._build_accelerator_args(**kwargs)
         if self.zero_offload:
             out["mixed_precision"] = "no"  # the engine does mixed precision (module docstring)
+            # applied by ZeRO-Offload when the optimizer is created (fsdp2.py)
+            self._fsdp_plugin = out.pop("fsdp_plugin", None)
             # also accepted with CPU processes (parallel.ParallelismConfig)
             out["parallelism_config"] = parallel.parallelism_config(
                 out.get("parallelism_config"))
@@ -230,6 +280,8 @@ class ZeroOffloadTrainer(Trainer):
             return super().create_optimizer(model)
         if self.optimizer is None:
             opt_model = self.model if model is None else model
+            if self._fsdp_plugin is not None:  # before the groups: it replaces the params
+                fsdp2.shard(self.accelerator, opt_model, self._fsdp_plugin)
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [

@@ -122,8 +122,11 @@ def load_master_state_dict(opt, model: torch.nn.Module, sd: dict) -> None:
     ``model.state_dict()``'s) that is a param the engine trains becomes its master weights,
     in full precision, and the device param its value in the compute dtype; moments and step
     counts stay. Such a param without an entry keeps its master; other entries are the
-    caller's (the model loads them). Every rank passes whole tensors and keeps its part.
-    Shapes are checked before anything is written."""
+    caller's (the model loads them). Every rank passes whole tensors and keeps its part, or,
+    for a DTensor param, a DTensor laid out as the param (what a DTensor model's
+    ``load_state_dict`` hands its hooks once a pre-hook has cut the whole tensors into
+    parts, as the integrations' does): its local tensor is this rank's part. Shapes and
+    layouts are checked before anything is written."""
     ours = {s.param: (b, s) for b in opt.buckets for s in b.layout.slots}
     todo = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -134,11 +137,20 @@ def load_master_state_dict(opt, model: torch.nn.Module, sd: dict) -> None:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"master weights for {name!r}: got {got}, the param has shape "
                              f"{tuple(t.shape)}")
+        if is_dtensor(value) and not (is_dtensor(t) and value.device_mesh == t.device_mesh
+                                      and value.placements == t.placements):
+            where = (f"{tuple(t.placements)} on {t.device_mesh}" if is_dtensor(t)
+                     else "a plain tensor")
+            raise ValueError(f"master weights for {name!r}: a DTensor with placements "
+                             f"{tuple(value.placements)} on {value.device_mesh}; the param is "
+                             f"{where}: pass the whole tensor")
         todo[t] = value
     for p, value in todo.items():
         b, s = ours[p]
         own, mine = b.layout.owned(s)
-        whole = opt.exchange.local_part(s, value.detach().to("cpu", torch.float32))
+        value = value.detach()
+        whole = (value.to_local().to("cpu", torch.float32).reshape(-1) if is_dtensor(value)
+                 else opt.exchange.local_part(s, value.to("cpu", torch.float32)))
         b.state.master[own].copy_(whole[mine])
         s.flat().copy_(whole)  # every rank holds all of its local tensor
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -116,19 +117,20 @@ def check_clip_args(max_norm, norm_type, error_if_nonfinite) -> None:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """For the integrations: the model must reach the engine unwrapped, not FSDP-sharded.
+    """For the integrations: the model must reach the engine unwrapped, not FSDP1-sharded.
 
     The engine averages gradients itself; DistributedDataParallel around the model would
-    all-reduce them a second time and keep a full gradient copy on the device. FSDP shards
-    the params the engine keeps whole on each data-parallel rank. Tensor-parallel params
+    all-reduce them a second time and keep a full gradient copy on the device. FSDP1 flattens
+    the params into FlatParameters; FSDP2's ``fully_shard`` modules pass here (fsdp2.py
+    decides what of FSDP2 the engine trains). Tensor-parallel params
     (DTensor, on a tensor-parallel mesh) are trained through their local shards, as
     `check_params` allows."""
     if isinstance(model, DistributedDataParallel):
         raise ValueError("ZeRO-Offload averages gradients itself: do not wrap the model in "
                          "DistributedDataParallel (prepare it without DDP)")
-    if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
-            type(m).__name__.startswith("FSDP") for m in model.modules()):
-        raise ValueError("ZeRO-Offload with FSDP is not supported yet")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError("ZeRO-Offload with FSDP1 (FullyShardedDataParallel) is not supported; "
+                         "FSDP2 (fully_shard) with CPU offload is")
     if (getattr(model, "fsdp_size", None) or 1) > 1:
         raise ValueError(f"ZeRO-Offload with a model loaded with fsdp_size="
                          f"{model.fsdp_size} (FSDP2) is not supported; load it with "

@@ -3,6 +3,7 @@ here, local text files, no network."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -372,3 +373,58 @@ def test_torchrun_without_use_cpu_is_two_ranks(from_config):
     _, (logs, _, evals), output = from_config
     assert output.count("2 launched processes and no GPU: added --use_cpu") == 1, output
     assert len(logs) == 4 and evals["eval_loss"] > 0
+
+
+@pytest.mark.slow
+def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path):
+    """run_clm.py --zero_offload --fsdp "full_shard offload" (one rank, as torchrun starts
+    it: transformers refuses FSDP outside distributed training) on GPT-2 with its tied head:
+    the Trainer shards it with accelerate's FSDP2 policy and the engine trains the shards;
+    the losses and the eval loss are the plain --zero_offload run's. Both runs fork from one
+    server that imported run_clm (tests/_preloaded.py)."""
+    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+    from tests._preloaded import Preloaded
+
+    docs = stdlib_corpus(max_mb=0.1)
+    (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
+    (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
+    train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tok")
+    env = {k: v for k, v in offline_env().items()
+           if not k.startswith(("HF_ZOFFLOAD_", "ACCELERATE_", "FSDP_"))}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", LOCAL_RANK="0", RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29613")
+    argv = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=2",
+            "--tokenizer_name", str(tmp_path / "tok"), "--train_file", str(tmp_path / "train.txt"),
+            "--validation_file", str(tmp_path / "valid.txt"), "--block_size", "32",
+            "--max_train_samples", "64", "--max_eval_samples", "8", "--do_train", "--do_eval",
+            "--zero_offload", "--max_steps", "4", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
+            "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
+            "--save_strategy", "no", "--logging_steps", "1",
+            "--zero_offload_log_history_extras"]
+    got = {}
+    with Preloaded(ROOT / "scripts" / "run_clm.py", env,
+                   "import datasets; from transformers import GPT2LMHeadModel") as server:
+        for name, extra in (("fsdp", ["--fsdp", "full_shard offload"]), ("plain", [])):
+            out = tmp_path / name
+            log = tmp_path / f"{name}.log"
+            rc = server.start([*argv, *extra, "--output_dir", str(out)], out=log,
+                              cwd=tmp_path).wait(timeout=400)
+            assert rc == 0, log.read_text()[-4000:]
+            state = json.loads((out / "trainer_state.json").read_text())["log_history"]
+            got[name] = ([e for e in state if "loss" in e],
+                         json.loads((out / "eval_results.json").read_text()), log.read_text())
+    (fsdp, fsdp_eval, text), (plain, plain_eval, plain_text) = got["fsdp"], got["plain"]
+    # the memory report's host line counts FSDP2's sharded params (the engine's 16-bit copy)
+    host_params = re.compile(r"host .*\bparams [\d.]+ KiB")
+    assert host_params.search(text) and not host_params.search(plain_text)
+    assert len(fsdp) == len(plain) == 4
+    for a, b in zip(fsdp, plain):  # fp32: a rounding or two apart per step
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert fsdp_eval["eval_loss"] == pytest.approx(plain_eval["eval_loss"], rel=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")  # whole, fp32
+    assert saved.config.n_layer == 2 and saved.lm_head.weight is saved.transformer.wte.weight

@@ -368,7 +368,7 @@ def test_zero_offload_switch_follows_launch_settings(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(deepspeed="ds_config.json"), "--deepspeed"),
-    (dict(fsdp="full_shard"), "--fsdp"),
+    (dict(fsdp="full_shard"), "--fsdp 'full_shard': FSDP2 without CPU offload"),
     (dict(optim="sgd"), "adamw_torch, adamw_torch_fused"),
     (dict(fp16=True, bf16=True), "--fp16 and --bf16"),
     (dict(bf16=True, zero_offload_compute_dtype="fp16"), "--bf16 conflicts with"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload.fsdp2 import Fsdp2Exchange
@@ -356,3 +357,29 @@ def test_two_ranks_masters_stay_fp32_through_fsdp2s_padding(two):
     assert len(got) == len(init)
     for a, b in zip(got, init):
         assert torch.equal(a, b.detach())
+
+
+def test_load_master_state_dict_takes_dtensors_laid_out_as_the_params(torch_one_thread):
+    """What a DTensor model's load_state_dict hands its hooks once whole tensors are cut into
+    parts: DTensors in the params' own layout become the fp32 masters (their local parts);
+    a DTensor in another layout is refused before anything is written."""
+    with one_rank():
+        model, opt = w.build(1, plugin=dict(compute_dtype="bf16"))
+        named = dict(model.named_parameters())
+        g = torch.Generator().manual_seed(5)
+        whole = {n: torch.randn(p.shape, generator=g) for n, p in named.items()}
+        parts = {n: distribute_tensor(whole[n], p.device_mesh, p.placements, src_data_rank=None)
+                 for n, p in named.items()}
+        first = next(iter(named))
+        bad = dict(parts)
+        bad[first] = distribute_tensor(whole[first], named[first].device_mesh, [Replicate()],
+                                       src_data_rank=None)
+        before = opt.master_state_dict(model)
+        with pytest.raises(ValueError, match=f"master weights for '{first}': a DTensor"):
+            opt.load_master_state_dict(model, bad)
+        assert all(torch.equal(before[n], m) for n, m in opt.master_state_dict(model).items())
+        opt.load_master_state_dict(model, parts)
+        masters = opt.master_state_dict(model)
+        for n, p in named.items():
+            assert torch.equal(masters[n], whole[n]), n
+            assert torch.equal(p.full_tensor(), whole[n].bfloat16()), n
