@@ -95,13 +95,15 @@ def run(args) -> int:
     return 0
 
 
-# accelerate's FSDP2 plugin with parameter offload: accelerate's own defaults for the rest
-# (its wizard's default answers: wrap each of the model's _no_split_modules, reshard after
-# forward, sharded checkpoints, CPU-RAM-efficient loading, no activation checkpointing).
+# accelerate's FSDP2 plugin with parameter offload, as integrations/fsdp2.py trains it: wrap
+# each of the model's _no_split_modules and reshard after forward (accelerate's wizard's
+# default answers), whole-tensor checkpoints (the engine's format; FSDP2's default is
+# sharded) and every rank loading the model (no CPU-RAM-efficient loading), no activation
+# checkpointing by the plugin.
 FSDP2_OFFLOAD = {"fsdp_version": 2, "fsdp_offload_params": True,
                  "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                 "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                 "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": False}
+                 "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT",
+                 "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False}
 TRAINER_FLAGS = '--fsdp "full_shard offload" --zero_offload'
 
 
@@ -122,6 +124,22 @@ def check_fsdp(fsdp: dict, *, where: str = "accelerate's answers") -> None:
             "parameter offload; ZeRO-Offload trains with FSDP only as FSDP2 parameter offload "
             "(fsdp_version 2, fsdp_offload_params true: `hf-zoffload config` asks for them); "
             "allowed: that, or no FSDP")
+    from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+    from hf_zoffload.integrations.fsdp2 import unsupported_option
+
+    # The plugin accelerate launch builds from these answers (accelerate 1.15's defaults
+    # where a key is absent: no activation checkpointing or CPU-RAM-efficient loading,
+    # FSDP2's sharded checkpoints), checked by the rule the integrations apply.
+    answers = type("Answers", (), {
+        "activation_checkpointing": bool(fsdp.get("fsdp_activation_checkpointing")),
+        "cpu_ram_efficient_loading": bool(fsdp.get("fsdp_cpu_ram_efficient_loading")),
+        "ignored_modules": fsdp.get("fsdp_ignored_modules"),
+        "state_dict_type": StateDictType[
+            str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()]})()
+    why = unsupported_option(answers)
+    if why:
+        raise ValueError(f"{where}: FSDP2 with {why}")
 
 
 def _accelerate_dtype(mixed_precision: str) -> str | None:

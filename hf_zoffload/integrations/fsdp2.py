@@ -41,7 +41,8 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
-__all__ = ["requested", "check", "why_not", "shard", "leave_fsdp_mode", "is_sharded"]
+__all__ = ["requested", "check", "why_not", "unsupported_option", "shard", "leave_fsdp_mode",
+           "is_sharded"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,21 @@ def why_not(plugin, *, dtype: torch.dtype, tp: int = 1, replicas: int = 1) -> st
         return f"HSDP (dp_replicate_size={replicas}); only a 1-D shard mesh is supported"
     if tp > 1:
         return f"FSDP2 with tensor parallelism (tp_size={tp}); use one of them"
+    why = unsupported_option(plugin)
+    if why:
+        return why
+    want = getattr(plugin.mixed_precision_policy, "param_dtype", None)
+    if want is not None and want != dtype:
+        return (f"the plugin's mixed precision param_dtype {want} differs from the compute "
+                f"dtype {dtype}: leave it unset or make them agree")
+    return None
+
+
+def unsupported_option(plugin) -> str | None:
+    """Which of the plugin's options this path does not carry out, or None: read from
+    ``plugin``'s ``activation_checkpointing``, ``cpu_ram_efficient_loading``,
+    ``ignored_modules`` and ``state_dict_type`` (the wizard checks accelerate's config
+    answers with it too)."""
     if plugin.activation_checkpointing:
         return ("the plugin's activation_checkpointing (it renames the wrapped layers' "
                 "params); use the model's gradient checkpointing (--gradient_checkpointing, "
@@ -93,10 +109,6 @@ def why_not(plugin, *, dtype: torch.dtype, tp: int = 1, replicas: int = 1) -> st
         name = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)
         return (f"state_dict_type {name}: checkpoints hold whole tensors gathered on rank 0; "
                 "set state_dict_type='FULL_STATE_DICT'")
-    want = getattr(plugin.mixed_precision_policy, "param_dtype", None)
-    if want is not None and want != dtype:
-        return (f"the plugin's mixed precision param_dtype {want} differs from the compute "
-                f"dtype {dtype}: leave it unset or make them agree")
     return None
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hf_zoffload.commands import config
 from hf_zoffload.commands.config import sidecar_path
 from hf_zoffload.commands.main import main
 from hf_zoffload.config import ZeroOffloadPlugin
@@ -319,6 +320,10 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
     assert loaded.distributed_type == "FSDP"
     assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_offload_params"]
     assert loaded.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    # what integrations/fsdp2.py trains: whole-tensor checkpoints, every rank loading
+    assert loaded.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    assert loaded.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
+    config.check_fsdp(loaded.fsdp_config)
     out = capsys.readouterr().out
     assert 'with the Trainer pass --fsdp "full_shard offload" --zero_offload' in out
     assert f"`hf-zoffload estimate --config_file {cfg} MODEL` counts it" in out
@@ -336,6 +341,11 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
      "accelerate's answers: FSDP version 1 with parameter offload"),
     ({"fsdp_version": 2, "fsdp_offload_params": False},
      "accelerate's answers: FSDP version 2 without parameter offload"),
+    ({"fsdp_version": 2, "fsdp_offload_params": True},  # accelerate's default for FSDP2
+     "accelerate's answers: FSDP2 with state_dict_type SHARDED_STATE_DICT"),
+    ({"fsdp_version": 2, "fsdp_offload_params": True, "fsdp_state_dict_type": "FULL_STATE_DICT",
+      "fsdp_cpu_ram_efficient_loading": True},
+     "accelerate's answers: FSDP2 with cpu_ram_efficient_loading"),
 ])
 def test_wizard_refuses_an_fsdp_zero_offload_cannot_train(fsdp, said, monkeypatch, capsys,
                                                           tmp_path):
@@ -356,7 +366,8 @@ def test_wizard_refuses_an_fsdp_zero_offload_cannot_train(fsdp, said, monkeypatc
     assert main(["config", "--config_file", str(cfg)]) == 0 and cfg.exists()
     cfg.unlink()
     monkeypatch.setattr(acc_config, "get_user_input", lambda: _cluster(
-        distributed_type="FSDP", fsdp_config={"fsdp_version": 2, "fsdp_offload_params": True}))
+        distributed_type="FSDP", fsdp_config={"fsdp_version": 2, "fsdp_offload_params": True,
+                                              "fsdp_state_dict_type": "FULL_STATE_DICT"}))
     prompts = _answers(monkeypatch, "yes", *[""] * 7)
     assert main(["config", "--config_file", str(cfg)]) == 0
     assert not any("Which model" in p or "stay on the host" in p for p in prompts)

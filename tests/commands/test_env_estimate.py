@@ -529,7 +529,8 @@ def test_estimate_takes_fsdp2_offload_from_accelerates_config(tmp_path, capsys):
     cfg = tmp_path / "acc.yaml"
     base = ["--model_type", "llama", "--config_overrides", FSDP2_LLAMA, "--config_file",
             str(cfg)]
-    fsdp = {"fsdp_version": 2, "fsdp_offload_params": True}
+    fsdp = {"fsdp_version": 2, "fsdp_offload_params": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT"}
     cfg.write_text(yaml.safe_dump({"distributed_type": "FSDP", "fsdp_config": fsdp}))
     r = _json(capsys, *base)
     assert r["settings"]["fsdp2_offload"] == {"value": True, "from": str(cfg)}
