@@ -51,6 +51,8 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
         assert got["ours int8 state (block 256), out over grads"] == 16.0625
         assert got["ours int4 state (block 128), out over grads"] == 14.125  # nibbles, scales
+        assert got["ours bf16 master + fp32 state, out over grads"] == 24
+        assert got["ours bf16 master + bf16 state, out over grads"] == 16
         assert got["ours bf16 master + int8 state, out over grads"] == 12.0625
         assert got["ours bf16 master + int4 state (block 128), out over grads"] == 10.125
         assert got["int8 ceiling (read 8, write 8)"] == 16
@@ -60,5 +62,6 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
 def test_kernel_loop_builds_and_times_every_state():
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     ns = loop["run"](4096, 3, 1)
-    assert list(ns) == ["fp32", "bf16", "int8"]
+    assert list(ns) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
+                        for s in ("fp32", "bf16", "int8", "int4")]
     assert all(0 < v < 1e6 for v in ns.values()), ns

@@ -16,8 +16,9 @@ Rows per (size, threads):
                      just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
                      int8 (16 + 8 B per block of scales; one row per --qblocks block size),
                      int4 (14 + 8 B per block of 128: two code nibbles per param); with a
-                     bf16 master (master_dtype bf16, stochastic rounding) and int8 / int4
-                     moments: 12 / 10 B (+ scales), the master read and written in 2 B
+                     bf16 master (master_dtype bf16, stochastic rounding) and fp32 / bf16 /
+                     int8 / int4 moments: 24 / 16 / 12 / 10 B (+ scales), the master read and
+                     written in 2 B
   int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
@@ -165,6 +166,8 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
                                      state_dtype=state_dtype, sr=(step[0], 0), **HP)
         return run
 
+    add("ours bf16 master + fp32 state, out over grads", master16(m, v, None, "fp32"), 24)
+    add("ours bf16 master + bf16 state, out over grads", master16(mb, vb, None, "bf16"), 16)
     sq = (torch.zeros(-(-n // mo.QBLOCK)), torch.zeros(-(-n // mo.QBLOCK)))
     add("ours bf16 master + int8 state, out over grads",
         master16(mc, vc, sq, "int8"), 12 + 16 / mo.QBLOCK)
