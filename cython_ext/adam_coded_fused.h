@@ -48,7 +48,6 @@ HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
     const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
     const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i ks = HZ_FN(hz_sr_base)(a);
     const int l2_on = a->l2_on;
     const size_t bs = (size_t)a->qblock;
     const int pf = hi - lo >= HZ_PREFETCH_MIN;
@@ -88,6 +87,7 @@ HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
                 umax = _mm256_max_epu32(umax, _mm256_castps_si256(si));
             }
         }
+        __m256i ctr = HZ_FN(hz_sr_ctr)(a, b0);
         for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
             __m256 pn[2];
             for (int h = 0; h < 2; ++h) {
@@ -98,7 +98,7 @@ HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
                 __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(cap, si), rbc2), eps);
                 pn[h] = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(ns, mi), d));
             }
-            HZ_FN(hz_pstore16)(a, b0 + j, pn[0], pn[1], ks, ok, mk, 0);
+            HZ_FN(hz_pstore16)(a, b0 + j, pn[0], pn[1], &ctr, ok, mk, 0);
         }
         const uint32_t mb = HZ_FN(hz_hmax_epu32)(mmax), ub = HZ_FN(hz_hmax_epu32)(umax);
         float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;

@@ -156,7 +156,6 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
     const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
     const __m256 ns = _mm256_set1_ps(a->neg_step);
     const int l2_on = a->l2_on, small = a->lerp_small;
-    const __m256i ks = HZ_FN(hz_sr_base)(a);
     uint16_t *out = (uint16_t *)a->out16;
     /* Not when the output is the grad buffer: its lines are in cache, just read.  Not with a
      * bf16 master: it is written back too, and read again at the next step. */
@@ -206,6 +205,7 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
                                     HZ_FN(hz_bf16x16)(vn[0], vn[1], nan));
             }
         }
+        __m256i ctr = HZ_FN(hz_sr_ctr)(a, i);
         for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
             __m256 pn[2];
             for (int h = 0; h < 2; ++h) {
@@ -216,7 +216,7 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
                 __m256 u = _mm256_mul_ps(ns, _mm256_load_ps(mt + j + 8 * h));
                 pn[h] = _mm256_add_ps(pi, _mm256_div_ps(u, d));
             }
-            HZ_FN(hz_pstore16)(a, i + j, pn[0], pn[1], ks, ok, mk, stream);
+            HZ_FN(hz_pstore16)(a, i + j, pn[0], pn[1], &ctr, ok, mk, stream);
         }
         i += n;
     }

@@ -41,10 +41,11 @@ static inline __m256i HZ_FN(hz_sr8)(__m256 x, __m256i r, int nan) {
 /* Stores the 16 new params x0 (elements e..e+7), x1 (e+8..e+15): fp32 into a->param; bf16
  * rounded stochastically into the master and, unless ok is HZ_NONE, out16 (the same values;
  * it may be the master itself).  With an fp32 master, out16 gets the round to nearest (ok) of
- * hz_out16.  ks: the bf16 master's counter of element 0, sr_key + sr_first, in every lane
- * plus the lane's index (0..7): element e's bits are hz_hash32(sr_key + sr_first + e). */
+ * hz_out16.  ctr: the bf16 master's counters of elements e..e+7 (hz_sr_ctr), moved on by 16:
+ * element e's bits are hz_hash32(sr_key + sr_first + e); a running counter saves the
+ * broadcast of e, 2 of the ~30 vector ops that the rounding adds per 16 elements. */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256i ks,
+HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256i *ctr,
                    const int ok, const int mk, const int stream) {
     uint16_t *out = (uint16_t *)a->out16;
     if (mk == HZ_F32) {
@@ -56,9 +57,9 @@ HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256
         else _mm256_storeu_si256((__m256i *)(out + e), hv);
         return;
     }
-    __m256i c = _mm256_add_epi32(ks, _mm256_set1_epi32((int)(uint32_t)e));
-    __m256i r0 = HZ_FN(hz_hash32x8)(c);
-    __m256i r1 = HZ_FN(hz_hash32x8)(_mm256_add_epi32(c, _mm256_set1_epi32(8)));
+    __m256i r0 = HZ_FN(hz_hash32x8)(*ctr);
+    __m256i r1 = HZ_FN(hz_hash32x8)(_mm256_add_epi32(*ctr, _mm256_set1_epi32(8)));
+    *ctr = _mm256_add_epi32(*ctr, _mm256_set1_epi32(16));
     int nan = _mm256_movemask_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q));
     __m256i hv = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(HZ_FN(hz_sr8)(x0, r0, nan), HZ_FN(hz_sr8)(x1, r1, nan)), 0xd8);
@@ -66,8 +67,8 @@ HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256
     if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), hv);
 }
 
-/* ks of hz_pstore16 (unused with an fp32 master). */
-static inline __m256i HZ_FN(hz_sr_base)(const hz_adam_args *a) {
-    return _mm256_add_epi32(_mm256_set1_epi32((int)(a->sr_key + a->sr_first)),
+/* The counters hz_pstore16 takes for elements e..e+7 (unused with an fp32 master). */
+static inline __m256i HZ_FN(hz_sr_ctr)(const hz_adam_args *a, size_t e) {
+    return _mm256_add_epi32(_mm256_set1_epi32((int)(a->sr_key + a->sr_first + (uint32_t)e)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }

@@ -21,7 +21,8 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert bench["main"](argv) == 0
     finally:
         torch.set_num_threads(threads)  # main() sets it per row
-    out = capsys.readouterr().out
+    out, heading, second = capsys.readouterr().out.partition("bf16 master against fp32 master")
+    assert heading
     assert "Rounds per block: 1, each timing every row once, the order rotating" in out
     header = next(line for line in out.splitlines() if line.startswith("| params |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
@@ -56,6 +57,13 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["ours bf16 master + int8 state, out over grads"] == 12.0625
         assert got["ours bf16 master + int4 state (block 128), out over grads"] == 10.125
         assert got["int8 ceiling (read 8, write 8)"] == 16
+    # the bf16 masters against the fp32 masters of the same moments (int8: the block-256 row)
+    pairs = re.findall(r"^\| 0\.004M \| (\d) \| (\w+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \|$",
+                       second, re.M)
+    assert [(t, s, float(a), float(b)) for t, s, a, b, _ in pairs] == [
+        (t, s, a, b) for t in ("1", "2") for s, a, b in
+        [("fp32", 28, 24), ("bf16", 20, 16), ("int8", 16.0625, 12.0625), ("int4", 14.125, 10.125)]]
+    assert all(float(ratio) > 0 for *_, ratio in pairs)
 
 
 @pytest.mark.slow
