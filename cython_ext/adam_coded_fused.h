@@ -14,10 +14,10 @@
  * moments (hz_q8_pack32).  Why this shape: adam_q8_fused.h's measurements.
  *
  * 4-bit moments, single thread, 64K elements (in cache), bf16 grads in / bf16 params out over
- * them, Zen 3 shared (load 4-7), fastest call: 2.18 ns/param portable (auto-vectorized) ->
- * 0.93 fused, where 8-bit moments take 0.84 (twice the blocks per element: a block's scales,
- * inverses and pass boundaries are ~0.1).  docs/measurements.md, "4-bit moments and the bf16
- * master". */
+ * them, Zen 3 shared (load 8-10), fastest call: 2.25 ns/param portable (auto-vectorized) ->
+ * 0.93 fused, where 8-bit moments take 0.87 (twice the blocks per element: each block's
+ * scales, inverses and pass boundaries); 10M params: 4.20 -> 1.81.  docs/measurements.md,
+ * "The fused int4 pass and the fused bf16 master". */
 
 static inline uint32_t HZ_FN(hz_hmax_epu32)(__m256i x) {
     __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
