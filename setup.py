@@ -110,9 +110,12 @@ def _extensions():
             "cython_ext/adam_kernel.h",
             "cython_ext/adam_kernel_body.h",
             "cython_ext/adam_fused.h",
+            "cython_ext/adam_m16_fused.h",
             "cython_ext/adam_q8_portable.h",
             "cython_ext/adam_q8_fused.h",
             "cython_ext/adam_q4_portable.h",
+            "cython_ext/adam_q4_fused.h",
+            "cython_ext/adam_coded_fused.h",
         ],
     )
     return cythonize(

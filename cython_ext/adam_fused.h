@@ -103,6 +103,8 @@ static inline __attribute__((always_inline)) __m256 HZ_FN(hz_grad8)(const void *
     return HZ_FN(hz_bf16x8_load)((const uint16_t *)grad + i);
 }
 
+#include "adam_m16_fused.h"  /* the params of a bf16 master: hz_p8, hz_pstore16 */
+
 /* Outputs of at least this many elements per thread bypass the cache (streaming stores): the
  * buffer is only read again by the host->device copy, and a normal store first reads each line
  * (2 B/param more traffic).  Measured 10M params, 2 threads, Zen 3: 7.85 -> 7.55 ms. */
@@ -137,13 +139,14 @@ HZ_FN(hz_prefetch)(const void *base, size_t i, size_t es, size_t j) {
  * Zen 3, ns/param, fp32 moments / bf16 moments: one pass of 8 lanes 0.70 / 1.06, of 16 lanes
  * (hz_bf16x16, hz_bf16x8_load) 0.54 / 0.74, two passes 0.46 / 0.62 (HZ_SPLIT 64..1024 alike).
  * Measured 10M params, fp16 in / bf16 out, 2 threads, Zen 3: 10.05 ms staged through L1, 7.55
- * one fused pass, against a 6.79 ms ceiling.  gk, ok and sk are constants after inlining. */
+ * one fused pass, against a 6.79 ms ceiling.  gk, ok, sk and mk (the master: fp32, or bf16 as
+ * adam_m16_fused.h loads and stores it) are constants after inlining. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
-                const int sk) {
+                const int sk, const int mk) {
     float mt[HZ_SPLIT] __attribute__((aligned(64)));
     float st[HZ_SPLIT] __attribute__((aligned(64)));
-    float *restrict p = a->param;
+    const void *pp = mk == HZ_BF16 ? (const void *)a->master16 : (const void *)a->param;
     float *restrict m = (float *)a->exp_avg, *restrict v = (float *)a->exp_avg_sq;
     uint16_t *restrict m16 = (uint16_t *)a->exp_avg, *restrict v16 = (uint16_t *)a->exp_avg_sq;
     const void *grad = a->grad;
@@ -154,8 +157,10 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
     const __m256 ns = _mm256_set1_ps(a->neg_step);
     const int l2_on = a->l2_on, small = a->lerp_small;
     uint16_t *out = (uint16_t *)a->out16;
-    /* Not when the output is the grad buffer: its lines are in cache, just read. */
-    const int stream = ok != HZ_NONE && hi - lo >= HZ_STREAM_MIN && a->out16 != a->grad;
+    /* Not when the output is the grad buffer: its lines are in cache, just read.  Not with a
+     * bf16 master: it is written back too, and read again at the next step. */
+    const int stream = ok != HZ_NONE && hi - lo >= HZ_STREAM_MIN && a->out16 != a->grad &&
+                       mk == HZ_F32;
     const int pf = hi - lo >= HZ_PREFETCH_MIN;
     size_t i = lo;
     if (stream) /* 32-byte streaming stores need 32-byte alignment: plain path up to it */
@@ -167,7 +172,7 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
             __m256 mn[2], vn[2];
             if (pf && i + j + HZ_PREFETCH + 16 <= hi) {
                 const size_t f = i + j + HZ_PREFETCH, es = sk == HZ_F32 ? 4 : 2;
-                HZ_FN(hz_prefetch)(p, f, 4, j);
+                HZ_FN(hz_prefetch)(pp, f, mk == HZ_BF16 ? 2 : 4, j);
                 HZ_FN(hz_prefetch)(m, f, es, j);
                 HZ_FN(hz_prefetch)(v, f, es, j);
                 HZ_FN(hz_prefetch)(grad, f, gk == HZ_F32 ? 4 : 2, j);
@@ -176,7 +181,7 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
                 size_t e = i + j + 8 * h;
                 __m256 g = _mm256_mul_ps(HZ_FN(hz_grad8)(grad, e, gk), gs);
                 if (l2_on)
-                    g = _mm256_fmadd_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(p + e), decay), g);
+                    g = _mm256_fmadd_ps(l2, _mm256_mul_ps(HZ_FN(hz_p8)(a, e, mk), decay), g);
                 __m256 mi = sk == HZ_F32 ? _mm256_loadu_ps(m + e)
                                          : HZ_FN(hz_bf16x8_load)(m16 + e);
                 __m256 vi = sk == HZ_F32 ? _mm256_loadu_ps(v + e)
@@ -200,25 +205,21 @@ HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const
                                     HZ_FN(hz_bf16x16)(vn[0], vn[1], nan));
             }
         }
+        __m256i ctr = HZ_FN(hz_sr_ctr)(a, i);
         for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
             __m256 pn[2];
             for (int h = 0; h < 2; ++h) {
                 size_t e = i + j + 8 * h;
-                __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + e), decay);
+                __m256 pi = _mm256_mul_ps(HZ_FN(hz_p8)(a, e, mk), decay);
                 __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(st + j + 8 * h), rbc2),
                                          eps);
                 __m256 u = _mm256_mul_ps(ns, _mm256_load_ps(mt + j + 8 * h));
                 pn[h] = _mm256_add_ps(pi, _mm256_div_ps(u, d));
-                _mm256_storeu_ps(p + e, pn[h]);
             }
-            if (ok != HZ_NONE) {
-                __m256i hv = HZ_FN(hz_out16)(pn[0], pn[1], ok);
-                if (stream) _mm256_stream_si256((__m256i *)(out + i + j), hv);
-                else _mm256_storeu_si256((__m256i *)(out + i + j), hv);
-            }
+            HZ_FN(hz_pstore16)(a, i + j, pn[0], pn[1], &ctr, ok, mk, stream);
         }
         i += n;
     }
-    if (i < hi) HZ_FN(hz_tiles)(a, i, hi);  /* < 16 left */
+    if (i < hi) HZ_FN(hz_rest)(a, i, hi, mk);  /* < 16 left */
     if (stream) _mm_sfence(); /* order the streamed lines before whoever reads them next */
 }

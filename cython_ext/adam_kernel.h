@@ -281,7 +281,8 @@ static void hz_q4_decode_buf(float *m, float *v, const uint8_t *mc, const uint8_
 }
 
 /* x -> bf16 with the stochastic rounding of the bf16 master (tests compare it with the torch
- * reference; the update runs the same loop in hz_m16_range). */
+ * reference; the portable update, hz_m16_tiles, runs the same loop, the fused passes its
+ * vector form, hz_pstore16 in adam_m16_fused.h). */
 static void hz_sr_round_buf(uint16_t *dst, const float *x, size_t n, uint32_t key,
                             uint32_t first) {
     for (size_t i = 0; i < n; ++i)

@@ -171,55 +171,14 @@ static void HZ_FN(hz_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
     }
 }
 
-#if HZ_USE_F16C && defined(__AVX2__) && defined(__FMA__)
-#define HZ_FUSED 1
-#include "adam_fused.h"
-#include "adam_q8_fused.h"
-
-static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
-    if (a->state_kind == HZ_Q4) {  /* no fused path: the portable one (adam_q4_portable.h) */
-        HZ_FN(hz_q4_range)(a, lo, hi);
-        return;
-    }
-    if (a->state_kind == HZ_Q8) {
-        switch (a->grad_kind * 4 + a->out_kind) {
-#define HZ_QCASE(gk, ok) case gk * 4 + ok: HZ_FN(hz_q8_fused)(a, lo, hi, gk, ok); return;
-#define HZ_QCASES(gk) HZ_QCASE(gk, HZ_F16) HZ_QCASE(gk, HZ_BF16) HZ_QCASE(gk, HZ_NONE)
-        HZ_QCASES(HZ_F32) HZ_QCASES(HZ_F16) HZ_QCASES(HZ_BF16)
-#undef HZ_QCASES
-#undef HZ_QCASE
-        default: HZ_FN(hz_q8_range)(a, lo, hi); return;
-        }
-    }
-    switch ((a->state_kind == HZ_BF16) * 16 + a->grad_kind * 4 + a->out_kind) {
-#define HZ_CASE(sk, gk, ok) \
-    case (sk == HZ_BF16) * 16 + gk * 4 + ok: HZ_FN(hz_fused)(a, lo, hi, gk, ok, sk); return;
-#define HZ_CASES(sk) \
-    HZ_CASE(sk, HZ_F32, HZ_F16) HZ_CASE(sk, HZ_F32, HZ_BF16) \
-    HZ_CASE(sk, HZ_F16, HZ_NONE) HZ_CASE(sk, HZ_F16, HZ_F16) HZ_CASE(sk, HZ_F16, HZ_BF16) \
-    HZ_CASE(sk, HZ_BF16, HZ_NONE) HZ_CASE(sk, HZ_BF16, HZ_F16) HZ_CASE(sk, HZ_BF16, HZ_BF16)
-    HZ_CASES(HZ_F32)
-    HZ_CASES(HZ_BF16)
-    HZ_CASE(HZ_BF16, HZ_F32, HZ_NONE)
-#undef HZ_CASES
-#undef HZ_CASE
-    default: HZ_FN(hz_tiles)(a, lo, hi); /* fp32 in and state, no output: auto-vectorized */
-    }
-}
-#else
-#define HZ_FUSED 0
-static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
-    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8- and 4-bit moments */
-}
-#endif
-
-/* bf16 master: tiles of HZ_MTILE elements (a multiple of every block size, so each tile's
- * moments start on a block and a byte) widened into an fp32 tile, updated there by this
- * variant's fp32-master path (the same bits as an fp32 master holding the same values), then
- * rounded stochastically into the master and its copy for the device.  Traffic: master 2 + 2
- * B/param where the fp32 master moves 4 + 4; the tile (16 KiB) stays in L1/L2. */
+/* bf16 master, portable: tiles of HZ_MTILE elements (a multiple of every block size, so each
+ * tile's moments start on a block and a byte) widened into an fp32 tile, updated there by the
+ * portable fp32-master path (the same bits as an fp32 master holding the same values), then
+ * rounded stochastically into the master and its copy for the device.  The reference of the
+ * fused bf16-master passes (adam_m16_fused.h) and what they leave to it (a range's last < 16
+ * elements, a coded block they do not take); the generic variant's whole path. */
 #define HZ_MTILE HZ_QBLOCK_MAX
-static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+static void HZ_FN(hz_m16_tiles)(const hz_adam_args *a, size_t lo, size_t hi) {
     float pbuf[HZ_MTILE] __attribute__((aligned(64)));
     hz_adam_args t = *a;
     const size_t gsz = a->grad_kind == HZ_F32 ? 4 : 2;
@@ -245,7 +204,7 @@ static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
             t.m_scale = a->m_scale + i / (size_t)a->qblock;
             t.v_scale = a->v_scale + i / (size_t)a->qblock;
         }
-        HZ_FN(hz_adam_range32)(&t, 0, n);
+        HZ_FN(hz_tiles)(&t, 0, n);
         uint16_t *m16 = a->master16 + i;
         const uint32_t key = a->sr_key, first = a->sr_first + (uint32_t)i;
         for (size_t k = 0; k < n; ++k)
@@ -254,6 +213,86 @@ static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
             memcpy((uint16_t *)a->out16 + i, m16, n * 2);
     }
 }
+
+/* The portable path over [lo, hi) for a master of kind mk (HZ_F32 or HZ_BF16). */
+static inline void HZ_FN(hz_rest)(const hz_adam_args *a, size_t lo, size_t hi, const int mk) {
+    if (mk == HZ_BF16) HZ_FN(hz_m16_tiles)(a, lo, hi);
+    else HZ_FN(hz_tiles)(a, lo, hi);
+}
+
+#if HZ_USE_F16C && defined(__AVX2__) && defined(__FMA__)
+#define HZ_FUSED 1
+#include "adam_fused.h"
+#include "adam_q8_fused.h"
+#include "adam_q4_fused.h"
+#include "adam_coded_fused.h"
+
+/* The fused pass for this call's kinds; a constant mk makes one set of instances per master.
+ * Outputs: fp16 or bf16 for an fp32 master, bf16 for a bf16 one (cpu_adam.py refuses fp16 there;
+ * hz_rest takes what has no case). */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz_fused_for)(const hz_adam_args *a, size_t lo, size_t hi, const int mk) {
+    const int sk = a->state_kind, gk = a->grad_kind, ok = a->out_kind;
+    if (sk == HZ_Q8 || sk == HZ_Q4) {
+        switch ((sk == HZ_Q4) * 16 + gk * 4 + ok) {
+#define HZ_QCASE(qk, gk, ok) \
+    case (qk == HZ_Q4) * 16 + gk * 4 + ok: HZ_FN(hz_coded_fused)(a, lo, hi, gk, ok, qk, mk); return;
+#define HZ_QCASES(qk, gk) \
+    HZ_QCASE(qk, gk, HZ_BF16) HZ_QCASE(qk, gk, HZ_NONE) \
+    case (qk == HZ_Q4) * 16 + gk * 4 + HZ_F16: \
+        if (mk == HZ_F32) HZ_FN(hz_coded_fused)(a, lo, hi, gk, HZ_F16, qk, HZ_F32); \
+        else HZ_FN(hz_rest)(a, lo, hi, mk); \
+        return;
+        HZ_QCASES(HZ_Q8, HZ_F32) HZ_QCASES(HZ_Q8, HZ_F16) HZ_QCASES(HZ_Q8, HZ_BF16)
+        HZ_QCASES(HZ_Q4, HZ_F32) HZ_QCASES(HZ_Q4, HZ_F16) HZ_QCASES(HZ_Q4, HZ_BF16)
+#undef HZ_QCASES
+#undef HZ_QCASE
+        default: HZ_FN(hz_rest)(a, lo, hi, mk); return;
+        }
+    }
+    switch ((sk == HZ_BF16) * 16 + gk * 4 + ok) {
+#define HZ_CASE(sk, gk, ok) \
+    case (sk == HZ_BF16) * 16 + gk * 4 + ok: HZ_FN(hz_fused)(a, lo, hi, gk, ok, sk, mk); return;
+#define HZ_CASE16(sk, gk) \
+    case (sk == HZ_BF16) * 16 + gk * 4 + HZ_F16: \
+        if (mk == HZ_F32) HZ_FN(hz_fused)(a, lo, hi, gk, HZ_F16, sk, HZ_F32); \
+        else HZ_FN(hz_rest)(a, lo, hi, mk); \
+        return;
+#define HZ_CASES(sk) \
+    HZ_CASE16(sk, HZ_F32) HZ_CASE(sk, HZ_F32, HZ_BF16) \
+    HZ_CASE(sk, HZ_F16, HZ_NONE) HZ_CASE16(sk, HZ_F16) HZ_CASE(sk, HZ_F16, HZ_BF16) \
+    HZ_CASE(sk, HZ_BF16, HZ_NONE) HZ_CASE16(sk, HZ_BF16) HZ_CASE(sk, HZ_BF16, HZ_BF16)
+    HZ_CASES(HZ_F32)
+    HZ_CASES(HZ_BF16)
+    HZ_CASE(HZ_BF16, HZ_F32, HZ_NONE)
+    case HZ_F32 * 4 + HZ_NONE:  /* fp32 in and state, no output */
+        if (mk == HZ_BF16) HZ_FN(hz_fused)(a, lo, hi, HZ_F32, HZ_NONE, HZ_F32, HZ_BF16);
+        else HZ_FN(hz_tiles)(a, lo, hi);  /* nothing to widen or cut: auto-vectorized */
+        return;
+#undef HZ_CASES
+#undef HZ_CASE16
+#undef HZ_CASE
+    default: HZ_FN(hz_rest)(a, lo, hi, mk);
+    }
+}
+
+static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
+    HZ_FN(hz_fused_for)(a, lo, hi, HZ_F32);
+}
+
+static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+    HZ_FN(hz_fused_for)(a, lo, hi, HZ_BF16);
+}
+#else
+#define HZ_FUSED 0
+static void HZ_FN(hz_adam_range32)(const hz_adam_args *a, size_t lo, size_t hi) {
+    HZ_FN(hz_tiles)(a, lo, hi);  /* also the 8- and 4-bit moments */
+}
+
+static void HZ_FN(hz_m16_range)(const hz_adam_args *a, size_t lo, size_t hi) {
+    HZ_FN(hz_m16_tiles)(a, lo, hi);
+}
+#endif
 
 static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
     if (a->master_kind == HZ_BF16) HZ_FN(hz_m16_range)(a, lo, hi);

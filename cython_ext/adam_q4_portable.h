@@ -1,9 +1,10 @@
 /* Part of the per-ISA body (adam_kernel_body.h includes it once per variant, with HZ_FN,
- * HZ_USE_* set): the 4-bit moments (HZ_Q4, adam_kernel.h) in portable C, for every variant:
- * one block per iteration, decoded into L1 tiles, updated with the 8-bit path's math
- * (hz_math_q8: the decayed decode, the ratio cap), encoded.  No intrinsics, so the AVX2 and
- * AVX-512 builds run this same code, auto-vectorized for their ISA, bitwise alike (no
- * contraction, element-wise).  No include guard on purpose. */
+ * HZ_USE_* set): the 4-bit moments (HZ_Q4, adam_kernel.h) in portable C: one block per
+ * iteration, decoded into L1 tiles, updated with the 8-bit path's math (hz_math_q8: the
+ * decayed decode, the ratio cap), encoded.  The generic variant's path, the reference the
+ * fused pass (adam_q4_fused.h in adam_coded_fused.h) must match bit for bit, and its fallback
+ * for the blocks it does not take; no intrinsics, auto-vectorized (no contraction,
+ * element-wise: the same bits at any width).  No include guard on purpose. */
 
 /* n elements from codes starting at element 0 of mc / uc (a block start: even).  A loop over
  * bytes, two elements each, so that gcc vectorizes it (interleaved stores): per element with

@@ -1,16 +1,9 @@
 /* Part of the per-ISA body (adam_kernel_body.h includes it once per variant, with HZ_FN,
- * HZ_USE_* set): the 8-bit moments with AVX2/FMA/F16C intrinsics (included
- * only where the fused path exists). No include guard on purpose. */
+ * HZ_USE_* set): the 8-bit moments' codec with AVX2/FMA/F16C intrinsics, for the fused pass
+ * over coded moments (adam_coded_fused.h; adam_q4_fused.h uses its code8 and pack32 too).
+ * Included only where the fused path exists. No include guard on purpose. */
 
-/* 8-bit moments, 16 lanes per iteration, three passes over each block: (1) decode, the moments'
- * update and sqrt(v), new m and sqrt(v) to two L1 tiles, their largest magnitudes in
- * registers; (2) the params and their 16-bit copy from the tiles; (3) encode the tiles with the
- * new scales.  The same operations as hz_q8_decode / hz_math_q8 / hz_q8_encode, so the same
- * bits.  Taken by the portable path instead: a block whose length is not a multiple of 16
- * (only a buffer's last), a block whose exp_avg scale times beta1 is NaN or negative
- * (hz_q8_mdec), and the encode of a block with an inf or NaN in its new moments
- * (hz_q8_pack32).
- *
+/* How the fused 8-bit pass (adam_coded_fused.h: decode and update, params, encode) came to be.
  * Single thread, 64K elements (in cache), bf16 grads in / bf16 params out over them, Zen 3:
  * 1.54 -> 1.02 -> 0.89 ns/param (quietest of many runs).  Where from: codes widened and
  * decoded with in-lane byte shuffles and vpsignd (no vpmovzxbd, compare and mask); the
@@ -117,99 +110,17 @@ HZ_FN(hz_q8_enc32)(uint8_t *mc, uint8_t *uc, const float *mt, const float *ut, _
     HZ_FN(hz_q8_store32)(uc, HZ_FN(hz_q8_pack32)(ku[0], ku[1], ku[2], ku[3]), half);
 }
 
-static inline uint32_t HZ_FN(hz_hmax_epu32)(__m256i x) {
-    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
-    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
-    return (uint32_t)_mm_cvtsi128_si32(m);
-}
-
+/* Both moments of 16 elements from their 16 code bytes each (mc, uc: element 0's). */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz_q8_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok) {
-    float mt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
-    float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
-    float *restrict p = a->param;
-    uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
-    uint16_t *out = (uint16_t *)a->out16;
-    const void *grad = a->grad;
-    const __m256 gs = _mm256_set1_ps(a->grad_scale), decay = _mm256_set1_ps(a->decay);
-    const __m256 l2 = _mm256_set1_ps(a->l2), c = _mm256_set1_ps(a->one_minus_beta1);
-    const __m256 omb2 = _mm256_set1_ps(a->one_minus_beta2);
-    const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
-    const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+HZ_FN(hz_q8_dec16)(const uint8_t *mc, const uint8_t *uc, __m256 ms, __m256 nms, __m256 us,
+                   __m256 *m, __m256 *u) {
     const __m256i selm[2] = {HZ_Q8SEL(3, 0), HZ_Q8SEL(3, 8)};  /* code << 24 */
     const __m256i selu[2] = {HZ_Q8SEL(2, 0), HZ_Q8SEL(2, 8)};  /* code << 16 */
-    const int l2_on = a->l2_on;
-    const size_t bs = (size_t)a->qblock;
-    const int pf = hi - lo >= HZ_PREFETCH_MIN;
-    for (size_t b0 = lo; b0 < hi; b0 += bs) {
-        size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
-        const float msf = a->m_scale[blk] * a->beta1, usf = a->v_scale[blk] * a->sqrt_beta2;
-        if ((n & 15u) || hz_bits(msf) > 0x7f800000u) {  /* see the top of this file */
-            HZ_FN(hz_q8_range)(a, b0, b0 + n);
-            continue;
-        }
-        const __m256 ms = _mm256_set1_ps(msf), nms = _mm256_set1_ps(-msf);
-        const __m256 us = _mm256_set1_ps(usf);
-        __m256i mmax = _mm256_setzero_si256(), umax = _mm256_setzero_si256();
-        for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
-            size_t i = b0 + j;
-            if (pf && i + HZ_PREFETCH + 16 <= hi) {  /* p: for pass 2 of a later block */
-                HZ_FN(hz_prefetch)(p, i + HZ_PREFETCH, 4, j);
-                HZ_FN(hz_prefetch)(grad, i + HZ_PREFETCH, gk == HZ_F32 ? 4 : 2, j);
-                HZ_FN(hz_prefetch)(mc, i + HZ_PREFETCH, 1, j);
-                HZ_FN(hz_prefetch)(uc, i + HZ_PREFETCH, 1, j);
-            }
-            __m256i bm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mc + i)));
-            __m256i bu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(uc + i)));
-            for (int h = 0; h < 2; ++h) {
-                size_t e = i + 8 * h;
-                __m256 g = _mm256_mul_ps(HZ_FN(hz_grad8)(grad, e, gk), gs);
-                __m256 mi = HZ_FN(hz_q8_mdec)(_mm256_shuffle_epi8(bm, selm[h]), ms, nms);
-                __m256 uo = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), us);
-                if (l2_on)
-                    g = _mm256_fmadd_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(p + e), decay), g);
-                mi = _mm256_fmadd_ps(c, g, mi);
-                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(uo, uo));
-                __m256 si = _mm256_sqrt_ps(vi);
-                _mm256_store_ps(mt + j + 8 * h, mi);
-                _mm256_store_ps(ut + j + 8 * h, si);
-                mmax = _mm256_max_epu32(mmax, _mm256_castps_si256(_mm256_and_ps(mi, abs_mask)));
-                /* si has no sign bit unless NaN (v >= +0): the raw max is the largest
-                 * magnitude whenever it is finite, checked below */
-                umax = _mm256_max_epu32(umax, _mm256_castps_si256(si));
-            }
-        }
-        for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
-            __m256 pn[2];
-            for (int h = 0; h < 2; ++h) {
-                size_t e = b0 + j + 8 * h;
-                __m256 mi = _mm256_load_ps(mt + j + 8 * h), si = _mm256_load_ps(ut + j + 8 * h);
-                __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + e), decay);
-                __m256 cap = _mm256_mul_ps(_mm256_and_ps(mi, abs_mask), icap);
-                __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(cap, si), rbc2), eps);
-                pn[h] = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(ns, mi), d));
-                _mm256_storeu_ps(p + e, pn[h]);
-            }
-            if (ok != HZ_NONE)
-                _mm256_storeu_si256((__m256i *)(out + b0 + j), HZ_FN(hz_out16)(pn[0], pn[1], ok));
-        }
-        const uint32_t mb = HZ_FN(hz_hmax_epu32)(mmax), ub = HZ_FN(hz_hmax_epu32)(umax);
-        if (mb >= 0x7f800000u || ub >= 0x7f800000u) {  /* inf or NaN in the block */
-            HZ_FN(hz_q8_encode)(mc + b0, uc + b0, a->m_scale + blk, a->v_scale + blk, mt, ut, n);
-            continue;
-        }
-        const float sm = hz_q_scale(mb), su = hz_q_scale(ub);
-        const __m256 im = _mm256_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
-        const __m256 iu = _mm256_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
-        size_t j = 0;
-        for (; j + 32 <= n; j += 32)  /* pass 3: encode */
-            HZ_FN(hz_q8_enc32)(mc + b0 + j, uc + b0 + j, mt + j, ut + j, im, iu, 0);
-        if (j < n)  /* 16 left: n is a multiple of 16 here */
-            HZ_FN(hz_q8_enc32)(mc + b0 + j, uc + b0 + j, mt + j, ut + j, im, iu, 1);
-        a->m_scale[blk] = sm;
-        a->v_scale[blk] = su;
+    __m256i bm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mc));
+    __m256i bu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)uc));
+    for (int h = 0; h < 2; ++h) {
+        m[h] = HZ_FN(hz_q8_mdec)(_mm256_shuffle_epi8(bm, selm[h]), ms, nms);
+        u[h] = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), us);
     }
 }
 

@@ -21,7 +21,8 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert bench["main"](argv) == 0
     finally:
         torch.set_num_threads(threads)  # main() sets it per row
-    out = capsys.readouterr().out
+    out, heading, second = capsys.readouterr().out.partition("bf16 master against fp32 master")
+    assert heading
     assert "Rounds per block: 1, each timing every row once, the order rotating" in out
     header = next(line for line in out.splitlines() if line.startswith("| params |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
@@ -51,14 +52,24 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
         assert got["ours int8 state (block 256), out over grads"] == 16.0625
         assert got["ours int4 state (block 128), out over grads"] == 14.125  # nibbles, scales
+        assert got["ours bf16 master + fp32 state, out over grads"] == 24
+        assert got["ours bf16 master + bf16 state, out over grads"] == 16
         assert got["ours bf16 master + int8 state, out over grads"] == 12.0625
         assert got["ours bf16 master + int4 state (block 128), out over grads"] == 10.125
         assert got["int8 ceiling (read 8, write 8)"] == 16
+    # the bf16 masters against the fp32 masters of the same moments (int8: the block-256 row)
+    pairs = re.findall(r"^\| 0\.004M \| (\d) \| (\w+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \|$",
+                       second, re.M)
+    assert [(t, s, float(a), float(b)) for t, s, a, b, _ in pairs] == [
+        (t, s, a, b) for t in ("1", "2") for s, a, b in
+        [("fp32", 28, 24), ("bf16", 20, 16), ("int8", 16.0625, 12.0625), ("int4", 14.125, 10.125)]]
+    assert all(float(ratio) > 0 for *_, ratio in pairs)
 
 
 @pytest.mark.slow
 def test_kernel_loop_builds_and_times_every_state():
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     ns = loop["run"](4096, 3, 1)
-    assert list(ns) == ["fp32", "bf16", "int8"]
+    assert list(ns) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
+                        for s in ("fp32", "bf16", "int8", "int4")]
     assert all(0 < v < 1e6 for v in ns.values()), ns

@@ -16,8 +16,10 @@ Rows per (size, threads):
                      just read, moments by state_dtype: fp32 (28 B/param moved), bf16 (20),
                      int8 (16 + 8 B per block of scales; one row per --qblocks block size),
                      int4 (14 + 8 B per block of 128: two code nibbles per param); with a
-                     bf16 master (master_dtype bf16, stochastic rounding) and int8 / int4
-                     moments: 12 / 10 B (+ scales), the master read and written in 2 B
+                     bf16 master (master_dtype bf16, stochastic rounding) and fp32 / bf16 /
+                     int8 / int4 moments: 24 / 16 / 12 / 10 B (+ scales), the master read and
+                     written in 2 B; a second table gives each bf16-master row against the
+                     fp32-master row of the same moments, timed in the same rounds
   int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
@@ -61,6 +63,14 @@ TORCH_COMPOSED = "torch composed 16-bit"
 DS_FP32 = "DeepSpeedCPUAdam fp32"
 FP32_STATE = "ours fp32 state, out over grads"
 INT4_STATE = f"ours int4 state (block {mo.Q4BLOCK}), out over grads"
+M16_INT4 = f"ours bf16 master + int4 state (block {mo.Q4BLOCK}), out over grads"
+# (state_dtype, fp32-master row, bf16-master row): the second table compares each pair
+MASTER_PAIRS = [
+    ("fp32", FP32_STATE, "ours bf16 master + fp32 state, out over grads"),
+    ("bf16", "ours bf16 state, out over grads", "ours bf16 master + bf16 state, out over grads"),
+    ("int8", f"ours int8 state (block {mo.QBLOCK}), out over grads",
+     "ours bf16 master + int8 state, out over grads"),
+    ("int4", INT4_STATE, M16_INT4)]
 # (column, reference row): each row's "vs" column is the reference's ms over the row's
 REFERENCES = [("vs torch fused", TORCH_FUSED), ("vs torch composed", TORCH_COMPOSED),
               ("vs DeepSpeed", DS_FP32), ("vs fp32 state", FP32_STATE)]
@@ -165,11 +175,12 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
                                      state_dtype=state_dtype, sr=(step[0], 0), **HP)
         return run
 
+    add("ours bf16 master + fp32 state, out over grads", master16(m, v, None, "fp32"), 24)
+    add("ours bf16 master + bf16 state, out over grads", master16(mb, vb, None, "bf16"), 16)
     sq = (torch.zeros(-(-n // mo.QBLOCK)), torch.zeros(-(-n // mo.QBLOCK)))
     add("ours bf16 master + int8 state, out over grads",
         master16(mc, vc, sq, "int8"), 12 + 16 / mo.QBLOCK)
-    add(f"ours bf16 master + int4 state (block {mo.Q4BLOCK}), out over grads",
-        master16(m4, v4, s4, "int4"), 10 + 16 / mo.Q4BLOCK)
+    add(M16_INT4, master16(m4, v4, s4, "int4"), 10 + 16 / mo.Q4BLOCK)
     # Its fp32 "params" are the ceiling's first scratch array and its 16-bit "grads" o16, both
     # read by no Adam row, its codes two byte arrays of its own. It adds 1 to each: the scratch
     # grows by ~1 a round (and g32's ~0.01 from the ceiling), finite and never subnormal (a
@@ -216,6 +227,7 @@ def main(argv=None) -> int:
     print("| params | threads | path | B/param | ms/step | Mparams/s | GB/s | of ceiling | "
           + " | ".join(col for col, _ in refs) + " |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(refs))
+    pairs = []  # the second table's rows
     for n in sizes:
         for t in threads:
             rows, timed = bench(n, t, args.repeats, DTYPES[args.grad_dtype],
@@ -228,6 +240,15 @@ def main(argv=None) -> int:
                 print(f"| {n / 1e6:g}M | {t} | {name} | {nbytes:g} | {ms:.2f} | "
                       f"{n / ms / 1e3:.0f} | {n * nbytes / ms / 1e6:.1f} | {of_ceiling:.2f} | "
                       f"{vs} |", flush=True)
+            nbytes = dict(rows)
+            pairs += [f"| {n / 1e6:g}M | {t} | {state} | {nbytes[f32]:g} / {nbytes[b16]:g} | "
+                      f"{timed.ratio(f32, b16):.2f} |" for state, f32, b16 in MASTER_PAIRS
+                      if f32 in nbytes]
+    print("\nbf16 master against fp32 master over the same moments: the fp32-master row's ms "
+          "over the bf16-master row's, the median of per-round ratios (above 1: the bf16 "
+          "master is faster).\n\n| params | threads | state_dtype | B/param fp32 / bf16 "
+          "master | vs fp32 master |\n|---:|---:|---|---:|---:|")
+    print("\n".join(pairs))
     return 0
 
 

@@ -4,13 +4,15 @@
 Compiles a small C driver against cython_ext/adam_kernel.h with the extension's flags (cc,
 -O3 -fno-math-errno -ffp-contract=off -march=native), then times the engine's call (bf16 grads
 in, bf16 params written over them, weight decay on) on one thread over a buffer small enough to
-stay in cache, for fp32, bf16 and int8 moments. Each round times every state --calls times in
-turn, the order rotating from round to round as in scripts/bench/_interleave.py; a state's figure is
-its fastest call over all rounds, in ns per param. The rounds run in the C driver, not through
-_interleave: the point is a loop without Python (a call over the 64K params is ~30 us), and in
-cache the memory drift that _interleave's medians guard against does not reach the kernel, so
-the fastest call, the least disturbed one, is the figure (disturbances only add time). It
-prints no ratio between states (the README derives them from the figures).
+stay in cache, for every (master_dtype, state_dtype) mode: an fp32 or a bf16 master (rounded
+stochastically) with fp32, bf16, int8 or int4 moments. Each round times every mode --calls times
+in turn, the order rotating from round to round as in scripts/bench/_interleave.py; a mode's
+figure is its fastest call over all rounds, in ns per param. The rounds run in the C driver,
+not through _interleave: the point is a loop without Python (a call over the 64K params is ~30
+us), and in cache the memory drift that _interleave's medians guard against does not reach the
+kernel, so the fastest call, the least disturbed one, is the figure (disturbances only add
+time); with --elements past the caches (10M) the figure is a single thread's memory-bound time.
+It prints no ratio between modes (the docs derive them from the figures).
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
 """
 
@@ -27,7 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # setup.py BASE_FLAGS and its native build (no OpenMP: the driver runs one thread)
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-march=native"]
-STATES = {"fp32": 0, "bf16": 2, "int8": 4}  # adam_kernel.h's HZ_F32, HZ_BF16, HZ_Q8
+STATES = {"fp32": 0, "bf16": 2, "int8": 4, "int4": 5}  # adam_kernel.h's HZ_F32, .., HZ_Q4
+QBLOCKS = {"int8": 256, "int4": 128}  # ops/moments.py's QBLOCK, Q4BLOCK
+# (name, master_dtype, state_dtype), in the order the driver takes them
+MODES = [(f"{master} master, {state} state", master, state)
+         for master in ("fp32", "bf16") for state in STATES]
 
 DRIVER = r"""
 #include <stdio.h>
@@ -41,56 +47,66 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+/* argv: elements calls rounds, then per mode: state_kind qblock master_kind */
 int main(int argc, char **argv) {
     size_t n = strtoull(argv[1], NULL, 10);
-    int calls = atoi(argv[2]), rounds = atoi(argv[3]);
-    const int kinds[3] = {HZ_F32, HZ_BF16, HZ_Q8};
-    hz_adam_args a[3];
-    double best[3] = {1e30, 1e30, 1e30};
+    int calls = atoi(argv[2]), rounds = atoi(argv[3]), modes = (argc - 4) / 3;
+    hz_adam_args *a = calloc(modes, sizeof *a);
+    double *best = malloc(modes * sizeof *best);
     hz_range_fn fn = hz_select(HZ_AUTO);
     srand(1);
-    for (int s = 0; s < 3; ++s) {
+    for (int s = 0; s < modes; ++s) {
+        int kind = atoi(argv[4 + 3 * s]), qb = atoi(argv[5 + 3 * s]);
+        int master = atoi(argv[6 + 3 * s]);
         float *p = aligned_alloc(64, n * 4);
-        uint16_t *g = aligned_alloc(64, n * 2);
+        uint16_t *p16 = aligned_alloc(64, n * 2), *g = aligned_alloc(64, n * 2);
         void *m = aligned_alloc(64, n * 4), *v = aligned_alloc(64, n * 4);
-        float *ms = calloc(n / 256 + 1, 4), *vs = calloc(n / 256 + 1, 4);
+        float *ms = calloc(n / qb + 1, 4), *vs = calloc(n / qb + 1, 4);
         memset(m, 0, n * 4);
         memset(v, 0, n * 4);
         for (size_t i = 0; i < n; ++i) {
             p[i] = rand() / (float)RAND_MAX - 0.5f;
+            p16[i] = hz_float_to_bf16(p[i]);
             g[i] = hz_float_to_bf16((rand() / (float)RAND_MAX - 0.5f) * 1e-2f);
         }
         hz_adam_args x = {0};
         x.param = p; x.exp_avg = m; x.exp_avg_sq = v; x.m_scale = ms; x.v_scale = vs;
         x.grad = g; x.out16 = g; x.grad_kind = HZ_BF16; x.out_kind = HZ_BF16;
-        x.state_kind = kinds[s]; x.qblock = 256; x.lerp_small = 1;
+        x.state_kind = kind; x.qblock = qb; x.lerp_small = 1;
         x.grad_scale = 1.0f; x.decay = 1.0f - 1e-3f * 0.01f; x.lerp_coef = 0.1f;
         x.beta1 = 0.9f; x.one_minus_beta1 = 0.1f; x.beta2 = 0.999f;
         x.one_minus_beta2 = 0.001f; x.sqrt_beta2 = sqrtf(0.999f); x.inv_bc2_sqrt = 1.0f;
         x.eps = 1e-8f; x.neg_step = -1e-3f; x.inv_ratio_cap = 1.0f / 7.27f;
+        x.master_kind = master; x.master16 = p16; x.sr_key = 12345u;
         a[s] = x;
+        best[s] = 1e30;
     }
     for (int r = 0; r < rounds; ++r)
-        for (int i = 0; i < 3; ++i) {
-            int s = (r + i) % 3; /* round r starts at state r mod 3 */
+        for (int i = 0; i < modes; ++i) {
+            int s = (r + i) % modes; /* round r starts at mode r mod modes */
             for (int c = 0; c < calls; ++c) {
+                a[s].sr_key += 1u; /* a new Adam step's key, as the engine's */
                 double t0 = now();
                 fn(&a[s], 0, n);
                 double dt = now() - t0;
                 if (dt < best[s]) best[s] = dt;
             }
         }
-    for (int s = 0; s < 3; ++s) printf("%d %.4f\n", kinds[s], best[s] / n * 1e9);
+    for (int s = 0; s < modes; ++s) printf("%d %.4f\n", s, best[s] / n * 1e9);
     return 0;
 }
 """
 
 
-def run(elements: int, calls: int, rounds: int) -> dict[str, float]:
-    """{state: ns/param}; raises RuntimeError when the driver does not build or run."""
+def run(elements: int, calls: int, rounds: int,
+        modes: list[tuple[str, str, str]] = MODES) -> dict[str, float]:
+    """{mode name: ns/param}; raises RuntimeError when the driver does not build or run."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
+    spec = []
+    for _, master, state in modes:
+        spec += [STATES[state], QBLOCKS.get(state, 256), STATES[master]]
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "loop.c", Path(tmp) / "loop"
         src.write_text(DRIVER)
@@ -98,22 +114,23 @@ def run(elements: int, calls: int, rounds: int) -> dict[str, float]:
                                 str(exe), "-lm"], capture_output=True, text=True)
         if build.returncode:
             raise RuntimeError(f"the driver did not build:\n{build.stderr}")
-        out = subprocess.run([str(exe), str(elements), str(calls), str(rounds)],
-                             capture_output=True, text=True, check=True).stdout
-    by_kind = {int(k): float(ns) for k, ns in (line.split() for line in out.splitlines())}
-    return {name: by_kind[kind] for name, kind in STATES.items()}
+        out = subprocess.run([str(exe), str(elements), str(calls), str(rounds),
+                              *map(str, spec)], capture_output=True, text=True,
+                             check=True).stdout
+    by_index = {int(k): float(ns) for k, ns in (line.split() for line in out.splitlines())}
+    return {name: by_index[i] for i, (name, _, _) in enumerate(modes)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--elements", type=int, default=65536, help="buffer size, in params")
-    ap.add_argument("--calls", type=int, default=3000, help="timed calls per state per round")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds over the three states")
+    ap.add_argument("--calls", type=int, default=3000, help="timed calls per mode per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over the modes")
     args = ap.parse_args(argv)
     if min(args.elements, args.calls, args.rounds) < 1:
         ap.error("--elements, --calls and --rounds must be positive")
     ns = run(args.elements, args.calls, args.rounds)
-    print(f"| moments | ns/param ({args.elements} params, 1 thread, fastest of "
+    print(f"| mode | ns/param ({args.elements} params, 1 thread, fastest of "
           f"{args.rounds} x {args.calls} calls) |\n|---|---:|")
     for name, value in ns.items():
         print(f"| {name} | {value:.3f} |")

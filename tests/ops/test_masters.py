@@ -159,3 +159,106 @@ def test_each_master_dtype_is_one_format_object():
     assert (fp32.stochastic, bf16.stochastic) == (False, True)
     with pytest.raises(ValueError, match="master_dtype must be one of fp32, bf16"):
         ms.master_format("fp16")
+
+
+M16_SIZES = [1, 15, 16, 17, 127, 128, 129, 4097, 49_153]  # 49_153: three threads' chunks
+SHARD = 40 * mo.QBLOCK  # the largest param is also updated as two shards, split here
+
+
+def _spans(sizes, block=mo.QBLOCK):
+    """(offset, length, param index, index of its first element in the param) of params laid
+    out as the engine lays them (each on a block: 256 elements, a multiple of every format's),
+    the last one twice as big shards; and the buffer's length."""
+    spans, end = [], 0
+    for k, n in enumerate(sizes):
+        spans.append((end, n, k, 0))
+        end += -(-n // block) * block
+    o, n, k, _ = spans[-1]
+    return spans, [*spans[:-1], (o, SHARD, k, 0), (o + SHARD, n - SHARD, k, SHARD)], end
+
+
+def _m16_runner(state_dtype, grads, out, adamw_mode, start):
+    """run(fn, spans, **kw): the bytes of master, moments, scales and outputs after one call per
+    span per step from a copy of start ([master, m, v], scales)."""
+    fmt = mo.FORMATS[state_dtype]
+
+    def run(fn, spans, **kw):
+        (p, m, v), sc = [t.clone() for t in start[0]], start[1]
+        sc = None if sc is None else [t.clone() for t in sc]
+        outs = []
+        for step, g0 in enumerate(grads, 3):
+            g = g0.clone()
+            o16 = g if out == "grad" else None if out is None else torch.zeros_like(p)
+            for o, n, k, first in spans:
+                scales = None if sc is None else \
+                    tuple(s[o // fmt.block:][:fmt.n_scales(n)] for s in sc)
+                fn(p[o:o + n], g[o:o + n], fmt.part(m, o, o + n), fmt.part(v, o, o + n),
+                   step=step, lr=1e-3, weight_decay=0.01, adamw_mode=adamw_mode,
+                   out16=None if o16 is None else o16[o:o + n], scales=scales,
+                   state_dtype=state_dtype, sr=(ms.step_key(ms.SR_SEED, step, k), first),
+                   **HP, **kw)
+            outs += [] if o16 is None else [o16]
+        return [t.view(torch.uint8) for t in (p, m, v, *(sc or []), *outs)]
+
+    return run
+
+
+def _check(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), (what, i)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("grad_dtype,out,adamw_mode", [
+    (torch.bfloat16, "grad", True), (torch.float16, torch.bfloat16, False),
+    (torch.float32, torch.bfloat16, True), (torch.float32, None, False)])
+def test_bf16_master_fused_equals_portable_and_reference(variant, state_dtype, grad_dtype, out,
+                                                         adamw_mode):
+    """The fused bf16-master passes (adam_m16_fused.h: the master widened as it is loaded and
+    rounded stochastically as it is stored, in every variant but generic) against the portable
+    hz_m16_tiles (generic: a tile widened, the fp32-master pass, the rounding, a copy) and the
+    torch reference, bit for bit: params of odd sizes each on a block, one call per param with
+    its key (1 and 3 threads), the largest also as two shards, the second passing its first
+    element's index (2 threads); two steps.  The reference runs on the params under 16K elements."""
+    spans, shards, total = _spans(M16_SIZES)
+    grads = [_grad_like(total, grad_dtype, step) for step in range(2)]
+    (p, m, v), sc = _state(total, state_dtype, 7)
+    run = _m16_runner(state_dtype, grads, out, adamw_mode, ([p, m, v], sc))
+    small = [s for s in spans if s[1] < 16384]
+    _check(run(ca.adam_update_reference, small), run(ca._update, small, variant=variant,
+                                                     num_threads=1), "reference")
+    base = run(ca._update, spans, variant="generic", num_threads=1)
+    for threads, parts in ((1, spans), (3, spans), (2, shards)):
+        _check(run(ca._update, parts, variant=variant, num_threads=threads), base, threads)
+
+
+def _grad_like(n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * 1e-2).to(dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8", "int4"])
+def test_bf16_master_special_values_bitwise_equal_to_generic(variant, state_dtype):
+    """Any bf16 master bits (NaN of either sign and any payload, signalling ones included, inf,
+    subnormals, zeros of both signs, the largest finite values) through the fused store's NaN
+    path and the carry of its rounding give the portable path's bits, out over the grads and
+    apart.  AdamW's decoupled decay only: with L2 a NaN param reaches the moments, and the
+    codes of a NaN block are not comparable (test_moments.py, special values)."""
+    n = 16 * mo.QBLOCK + 40  # a tail of 40: 16-lane vectors and the last 8 portable
+    gen = torch.Generator().manual_seed(4)
+    (p, m, v), sc = _state(n, state_dtype, 8)
+    hard = torch.tensor([0x7FC0, -0x3F, 0x7F81, 0x7FFF, -0x7F, 0x7F80, -0x80, 1, -0x7FFF, 0,
+                         -0x8000, 0x7F7F, -0x81, 0x0080], dtype=torch.int16)
+    pick = torch.randint(0, 24, (n,), generator=gen)
+    bits = p.view(torch.int16).clone()
+    bits = torch.where(pick < hard.numel(), hard[pick.clamp(max=hard.numel() - 1)], bits)
+    bits = torch.where(pick == 23, torch.randint(-2**15, 2**15, (n,), generator=gen,
+                                                 dtype=torch.int16), bits)
+    start = ([bits.view(torch.bfloat16), m, v], sc)
+    for out in ("grad", torch.bfloat16):
+        run = _m16_runner(state_dtype, [_grad_like(n, torch.bfloat16, 1)], out, True, start)
+        spans = [(0, n, 0, 0)]
+        _check(run(ca._update, spans, variant=variant), run(ca._update, spans,
+                                                           variant="generic"), out)

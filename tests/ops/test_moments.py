@@ -447,3 +447,70 @@ def test_100_steps_each_within_its_bound_of_fp64_adam(state_dtype):
             u, du = v1.sqrt(), dv.sqrt()
             assert ((du - u).abs() <= torch.maximum(2.0**-5 * u, 1.03125 * 2.0**-15 * su)
                     * (1 + 1e-5)).all()
+
+
+def _params(sizes, block):
+    """Offsets of params of these sizes laid out as the engine lays them: each on a block, the
+    gap to the next block after it; and the buffer's length."""
+    offs, end = [], 0
+    for n in sizes:
+        offs.append(end)
+        end += -(-n // block) * block
+    return offs, end
+
+
+Q4_SIZES = [1, 127, 128, 129, 4097, 49_153, 33]  # 49_153: three threads' chunks (16K each)
+# (grad dtype, out16, adamw_mode): out over the grads as the engine writes it, apart, none
+GRAD_OUT = [(torch.bfloat16, "grad", True), (torch.float16, "grad", True),
+            (torch.float32, torch.float16, True), (torch.float32, None, True),
+            (torch.bfloat16, torch.bfloat16, False), (torch.float16, "grad", False)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+@pytest.mark.parametrize("grad_dtype,out,adamw_mode", GRAD_OUT)
+def test_int4_fused_equals_portable_and_reference(variant, grad_dtype, out, adamw_mode):
+    """The fused 4-bit pass (adam_q4_fused.h, adam_coded_fused.h: every variant but generic)
+    against the portable C body (generic) and the torch reference, bit for bit: params of odd
+    sizes, each on a block with the gap after it, updated one call per param (1 and 3
+    threads) and in one call over them all (gaps included; 2 threads), two steps (the second
+    decodes the codes the first encoded).  The reference (0.9 s a call on the 49K-element
+    param) runs on the others."""
+    fmt = mo.FORMATS["int4"]
+    offs, total = _params(Q4_SIZES, fmt.block)
+    grads = []
+    for step in range(2):
+        g = torch.zeros(total, dtype=grad_dtype)
+        for o, n in zip(offs, Q4_SIZES):
+            g[o:o + n] = _grad(n, grad_dtype, seed=o + step)
+        grads.append(g)
+
+    per_param = list(zip(offs, Q4_SIZES))
+    start = _coded(total, 5, "int4")
+
+    def run(fn, spans, **kw):
+        state = [t.clone() for t in start]
+        outs = []
+        for step, g0 in enumerate(grads, 3):
+            g = g0.clone()
+            o16 = g if out == "grad" else None if out is None else torch.zeros(total, dtype=out)
+            for o, n in spans:
+                fn(state[0][o:o + n], g[o:o + n], fmt.part(state[1], o, o + n),
+                   fmt.part(state[2], o, o + n), step=step, lr=1e-3, weight_decay=0.01,
+                   adamw_mode=adamw_mode, out16=None if o16 is None else o16[o:o + n],
+                   scales=tuple(s[o // fmt.block:][:fmt.n_scales(n)] for s in state[3:]),
+                   state_dtype="int4", **HP, **kw)
+            outs += [] if o16 is None else [o16]
+        return [t.view(torch.uint8) for t in (*state, *outs)]
+
+    def check(got, want, what):
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (what, i)
+
+    small = [span for span in per_param if span[1] < 16384]
+    check(run(ca.adam_update_reference, small),
+          run(ca._update, small, variant=variant, num_threads=1), "reference")
+    base = run(ca._update, per_param, variant="generic", num_threads=1)
+    whole = run(ca._update, [(0, total)], variant="generic", num_threads=1)
+    for threads, spans, want in ((1, per_param, base), (3, per_param, base),
+                                 (2, [(0, total)], whole)):
+        check(run(ca._update, spans, variant=variant, num_threads=threads), want, threads)
