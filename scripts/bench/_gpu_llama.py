@@ -179,19 +179,7 @@ def fsdp2_step(model, device, **plugin):
     """(step, finish, engine): FSDP2 parameter offload of ``model`` (bf16, built on any
     device) with `ZeroOffloadOptimizer` as its optimizer (bf16 compute and ``plugin``'s other
     settings); the engine writes the new bf16 values into FSDP2's sharded host params."""
-    from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-
-    fsdp2_shard(model, device)
-    engine = ZeroOffloadOptimizer(model.parameters(), lr=1e-5, model=model,
-                                  plugin=ZeroOffloadPlugin(compute_dtype="bf16", **plugin))
-
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        return loss.detach()
-    return step, engine.flush, engine
+    return zoffload_step(fsdp2_shard(model, device), **plugin)
 
 
 def fsdp2_torch_step(model, device):
