@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import subprocess
 import sys
@@ -95,6 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at a time, each with cores / jobs threads (at least 1)")
+    ap.add_argument("--out_dir", help="keep every run's output here (default: a temporary "
+                    "folder); the fp32 run's model is OUT_DIR/fp32")
+    ap.add_argument("--base", help="fine-tune from this saved model (an earlier run's "
+                    "OUT_DIR/fp32) instead of training one")
     ap.add_argument("extra", nargs="*", help="more run_clm.py arguments (after --)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
@@ -110,15 +115,20 @@ def main(argv=None) -> int:
         ap.error(f"--finetune_lr must be > 0, got {args.finetune_lr}")
     tolerance = {"bf16": args.bf16_tolerance, "int8": args.int8_tolerance,
                  "int4": args.int4_tolerance}
+    if args.base and args.scenario != "finetune":
+        ap.error("--base is the fine-tune's starting model: use it with --scenario finetune")
+    if args.base and not (Path(args.base) / "config.json").is_file():
+        ap.error(f"--base {args.base}: no saved model there (config.json)")
     ok = True
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+    keep = contextlib.nullcontext(args.out_dir) if args.out_dir else tempfile.TemporaryDirectory()
+    with keep as tmp, ThreadPoolExecutor(args.jobs) as pool:
 
         def each(folder, **kw):  # one run per mode, args.jobs at a time
             runs = {m: pool.submit(losses, m, args, str(Path(tmp) / f"{folder}{m}"), **kw)
                     for m in modes}
             return {m: run.result() for m, run in runs.items()}
 
-        base = None
+        base = args.base
         if args.scenario in ("quickstart", "both"):
             curves = each("", steps=args.max_steps)
             base = str(Path(tmp) / "fp32")  # the fp32 run's saved model

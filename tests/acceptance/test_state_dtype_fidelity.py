@@ -37,3 +37,15 @@ def test_jobs_outside_one_to_the_modes_is_refused(jobs, capsys):
     assert exit_info.value.code == 2
     assert f"--jobs must be between 1 and 4 (one run per mode), got {jobs}" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--base", "."], "--base is the fine-tune's starting model: use it with --scenario finetune"),
+    (["--scenario", "finetune", "--base", "no_such_dir"], "--base no_such_dir: no saved model"),
+])
+def test_base_is_a_saved_model_for_the_finetune_only(argv, message, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

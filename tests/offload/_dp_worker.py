@@ -77,9 +77,12 @@ def make(**plugin):
 
 
 def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None, save=None,
-          kill_at=None, hang=False, kill_dir=None, plugin=None):
+          kill_at=None, hang=False, kill_dir=None, plugin=None, full_batch=False,
+          max_norm=MAX_NORM):
     """Steps [start, stop) of one run. Rank r of `world` gets rows [r*k, (r+1)*k) of every
     micro-batch, so that N ranks on ROWS/N rows each see the gradient of 1 rank on ROWS.
+    ``full_batch``: every rank gets all ROWS rows and the one-process objective, so the
+    average of the ranks' gradients is the one-process gradient, bit for bit.
 
     Accumulation over ACCUM micro-steps with all three boundary styles: even steps mark the
     first micro-step with no_sync(); odd steps synchronize every micro-step; steps 4 and 9
@@ -91,15 +94,16 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         sched.load_state_dict(ckpt["sched"])
-    k = ROWS // world
+    k, part = (ROWS, 0) if full_batch else (ROWS // world, rank)
     losses, norms, no_sync_bytes = [], [], 0
     for step in range(start, stop):
         total = 0.0
         for micro in range(ACCUM):
-            ids = data[step * ACCUM + micro][rank * k:(rank + 1) * k]
-            use_extra = step % 3 == 0 and rank == 0
+            ids = data[step * ACCUM + micro][part * k:(part + 1) * k]
+            use_extra = step % 3 == 0 and part == 0
             # the objective of the full batch: lm loss + 0.05 * extra term of rows [0, 2)
-            loss = model(ids, extra_rows=ROWS // 2 if use_extra else 0, extra_weight=0.5 * world)
+            loss = model(ids, extra_rows=ROWS // 2 if use_extra else 0,
+                         extra_weight=0.5 * (ROWS // k))
             unsynced = step in (4, 9) or (step % 2 == 0 and micro < ACCUM - 1)
             sent = dict(opt.exchange.sent) if opt.exchange.world > 1 else None
             with opt.no_sync() if unsynced else _null():
@@ -113,7 +117,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
             if unsynced and opt.exchange.world > 1:
                 no_sync_bytes += sum(opt.exchange.sent.values()) - sum(sent.values())
             total += loss.item() / ACCUM
-        norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        norms.append(float(opt.clip_grad_norm_(max_norm)))
         opt.step()
         sched.step()
         model.zero_grad(set_to_none=True)

@@ -16,6 +16,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload.support import local, local_grad
+from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import masters as ms
+from hf_zoffload.ops import moments as mo
 
 LR, ACCUM, MAX_NORM, STEPS, ROWS, VOCAB, SEQ, D, H = 3e-3, 2, 0.5, 10, 4, 97, 16, 32, 64
 
@@ -131,3 +135,50 @@ def train(rank: int, world: int, *, tp: int | None = None, start: int = 0, stop:
 def runs(rank: int, world: int, *, jobs: list[tuple[str, dict]]) -> list[dict]:
     """Several runs in one spawn: starting processes costs more than a tiny run."""
     return [globals()[name](rank, world, **kwargs) for name, kwargs in jobs]
+
+
+def keyed(rank: int, world: int, *, state: str = "int4", steps: int = 4) -> dict:
+    """A bf16 master over ``world`` tensor-parallel ranks against the kernel applied by hand
+    to each rank's local tensors: a second copy of the model, sharded the same way, gets
+    the same data, and each of its trainable params p (index i in the optimizer's order)
+    is updated with ``adam_update`` on ``local(p)`` with the rounding key
+    ``step_key(seed, p's step, i)`` and first element 0, the rule docs/design.md states
+    for tensor-parallel shards ("bf16 master"). One backward a step, no clipping: the two
+    models compute the same gradients. Returns, per step, whether every local tensor of
+    the engine's model equals the reference's, and the whole params."""
+    model = parallelize(Model(), world)
+    ref = parallelize(Model().to(torch.bfloat16), world)
+    opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(
+        bucket_size_mb=0.004, compute_dtype="bf16", master_dtype="bf16", state_dtype=state))
+    model.frozen.to(opt.dtype)
+    fmt = mo.FORMATS[state]
+    groups = [(i, wd, p) for i, (wd, p) in enumerate(
+        (g["weight_decay"], p) for g in decay_groups(ref) for p in g["params"])]
+    st = {}
+    for _, _, p in groups:
+        n = local(p).numel()
+        st[id(p)] = [0, torch.zeros(fmt.storage(n), dtype=fmt.dtype),
+                     torch.zeros(fmt.storage(n), dtype=fmt.dtype),
+                     (torch.zeros(fmt.n_scales(n)), torch.zeros(fmt.n_scales(n)))
+                     if fmt.scaled else None]
+    data, same, params = batches(steps), [], []
+    for t in range(steps):
+        for m in (model, ref):
+            m(data[t], extra=t % 3 == 0).backward()
+        opt.step()
+        opt.zero_grad()
+        for index, wd, p in groups:
+            if not p.requires_grad or p.grad is None:
+                continue
+            s = st[id(p)]
+            s[0] += 1
+            ca.adam_update(local(p).view(-1), local_grad(p, p.grad).reshape(-1), s[1], s[2],
+                           step=s[0], lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                           scales=s[3], state_dtype=state,
+                           sr=(ms.step_key(opt.sr_seed, s[0], index), 0))
+            p.grad = None
+        same.append(all(torch.equal(local(a), local(b))
+                        for a, b in zip(model.parameters(), ref.parameters())))
+        params.append(whole(model))
+    dist.barrier()
+    return {"same": same, "params": params}
