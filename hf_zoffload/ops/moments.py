@@ -37,7 +37,8 @@ _U_TOP = ((1 << (8 - _U_BITS)) - 1) << _U_BITS  # 240
 _M_BIAS = (127 - (_M_TOP >> _M_BITS)) << _M_BITS
 _U_BIAS = (127 - (_U_TOP >> _U_BITS)) << _U_BITS
 # Elements per block of the 4-bit code, and its layout (adam_kernel.h, HZ_Q4*); why these:
-# docs/measurements.md, "4-bit moments". 128 costs 1/32 B per param and moment in scales.
+# docs/measurements.md, "The 4-bit code and block, swept". 128 costs 1/32 B per param and
+# moment in scales.
 Q4BLOCK = 128
 _Q4M_BITS, _Q4U_BITS = 0, 1
 _Q4M_TOP = ((1 << (3 - _Q4M_BITS)) - 1) << _Q4M_BITS  # 7

@@ -19,7 +19,7 @@ def test_compact_moments_track_fp32():
     # The four runs two at a time, one thread each on 2 cores (three side by side measured 627 s
     # wall and 202 CPU-s on the shared box at load ~13; one after another, the first run alone
     # had taken 630 s and 272 CPU-s, two threads oversubscribed). Final losses as
-    # docs/benchmarks.md's: bf16 +0.12%, int8 +0.56%.
+    # docs/benchmarks.md's: bf16 +0.12%, int8 +0.50%.
     proc = subprocess.run([sys.executable, str(SCRIPT), "--scenario", "quickstart",
                            "--jobs", "2"], capture_output=True, text=True, timeout=3000)
     text = proc.stdout + proc.stderr
