@@ -126,11 +126,13 @@ def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
 
     Device, what FSDP2 streams (torch 2.13, the defaults: `device_bytes_fsdp2`), plus the
     frozen params; activations are not counted. ``grad_accumulation`` as the Trainer and
-    accelerate's ``accumulate()`` run it: their ``no_sync`` is FSDP2's
-    ``set_requires_gradient_sync(False)``, under which FSDP2 keeps every group's unsharded
-    gradient on the device until the boundary's backward reduces the sum
-    (``accumulated_grads``, the whole model in the compute dtype on every rank), and the
-    engine sees one backward a step: no fp32 sum on the host."""
+    accelerate's ``accumulate()`` run it in this mode: the integrations put accelerate in
+    plain data-parallel mode (integrations/fsdp2.py), whose ``no_sync`` leaves an
+    ``FSDPModule`` alone, so FSDP2 reduce-scatters every micro-step's backward and the engine
+    sums them in fp32 on the host (``grad_accumulation``, 4 B per element of the shard),
+    nothing more on the device. (A loop that calls FSDP2's
+    ``set_requires_gradient_sync(False)`` itself keeps the whole unsharded gradient on the
+    device instead and no fp32 sum: not what this counts.)"""
     if not 0 <= largest_group <= n_params or not 0 <= root_params <= n_params:
         raise ValueError(f"root_params {root_params} and largest_group {largest_group} must "
                          f"be from 0 to n_params {n_params}")
@@ -144,15 +146,15 @@ def estimate_fsdp2(n_params: int, *, root_params: int, largest_group: int,
                          f"the {n_params} params")
     report = estimate(shard, compute_dtype=compute_dtype, bucket_size_mb=bucket_size_mb,
                       world_size=1, n_frozen=n_frozen, delayed_update=delayed_update,
-                      pinned=False, state_dtype=state_dtype, master_dtype=master_dtype)
+                      grad_accumulation=grad_accumulation, pinned=False,
+                      state_dtype=state_dtype, master_dtype=master_dtype)
     w = _DTYPE_BYTES[compute_dtype]
     params = shard * w if not pinned or shard_numels is None else \
         sum(pinned_bytes(k * w) for k in shard_numels if k)
     host = {**report["host"], "params": params}  # memory_report()'s order
     device = {"params": n_frozen * w,
               **device_bytes_fsdp2(root_params, largest_group, param_bytes=w,
-                                   world_size=world_size),
-              "accumulated_grads": n_params * w if grad_accumulation else 0}
+                                   world_size=world_size)}
     out = _finish(device, host, n_params=n_params, n_frozen=n_frozen, frozen=report["frozen"],
                   state_dtype=state_dtype, master_dtype=master_dtype)
     out["fsdp2"] = {"root_params": root_params, "largest_group": largest_group,

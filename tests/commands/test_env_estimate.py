@@ -467,11 +467,13 @@ def test_estimate_fsdp2_offload_by_hand(capsys):
     assert rep["device"] == {"params": 0, "gathered_root": 2 * root,
                              "gathered_groups": 2 * 2 * layer,
                              "unsharded_grads": 2 * (root + root),  # the root outweighs 2 layers
-                             "reduced_grads": 2 * -(-root // 2), "accumulated_grads": 0}
-    # accumulation as accelerate runs it: FSDP2 keeps the unsharded grads on the device
+                             "reduced_grads": 2 * -(-root // 2)}
+    # accumulation as the integrations run it: FSDP2 reduces every micro-step and the engine
+    # sums in fp32 on the host (4 B per element of the shard); the device holds no more
     acc = _json(capsys, "--model_type", "llama", "--config_overrides", FSDP2_LLAMA,
-                "--compute_dtype", "bf16", "--fsdp2_offload", "--grad_accumulation")["report"]
-    assert acc["device"]["accumulated_grads"] == 2 * n and acc["host"]["grad_accumulation"] == 0
+                "--compute_dtype", "bf16", "--num_gpus", "2", "--fsdp2_offload",
+                "--grad_accumulation")["report"]
+    assert acc["host"]["grad_accumulation"] == 4 * local and acc["device"] == rep["device"]
     # the host rows by mode are this mode's: a bf16 master holds 2 B beside the 2 B params
     rows = {(m["master_dtype"], m["state_dtype"]): m["host_total_all_ranks"]
             for m in r["host_by_mode"]}
