@@ -107,17 +107,17 @@ def test_refuses_what_cannot_hold_the_params():
 
 @pytest.mark.slow
 def test_two_ranks_host_bytes_equal_memory_report(tmp_path):
-    """bf16 compute, 2 ranks, accumulation without sync: rank 0 holds FSDP2's padded shards
-    (dim 0 rounded up to the ranks), which the estimate takes as ``local_params``; the
-    host figures as with one rank."""
+    """bf16 compute, 2 ranks, a step of two micro-steps: rank 0 holds FSDP2's padded shards
+    (dim 0 rounded up to the ranks), which the estimate takes as ``local_params``; the host
+    figures after the step (the accumulation sum released) as with one rank."""
     plugin = {"compute_dtype": "bf16"}
-    jobs = [("train", {"plugin": plugin, "stop": 1, "no_sync": True})]
+    jobs = [("train", {"plugin": plugin, "stop": 1})]
     codes, _, res, errs = dpw.spawn(RUNS, str(tmp_path), jobs=jobs, wait_s=300)
     assert codes == [0, 0], "\n".join(errs)
     net = w.Net()
     n = sum(p.numel() for p in net.parameters())
     local = sum(-(-p.shape[0] // 2) * p[0].numel() for p in net.parameters())
-    est = _estimate(n, plugin, grad_accumulation=True, local_params=local, world_size=2)
+    est = _estimate(n, plugin, local_params=local, world_size=2)
     got = res[0][0]
     assert got["local"] == local
     assert got["report"]["host"]["params"] == est["host"]["params"] == 2 * local
