@@ -3,9 +3,8 @@
 #   bash scripts/test.sh            # every test (what CI runs)
 #   bash scripts/test.sh --fast     # every test not marked `slow` (the developers' tier)
 #   bash scripts/test.sh [--fast] PYTEST_ARGS...   # e.g. tests/offload -k relayout
-# Runs the tests in one worker process per core (pytest-xdist; the tests of a file that share a
-# module fixture on one worker, so that it runs once: tests/conftest.py); `-n 0` among the
-# arguments runs them in this process.
+# Runs the tests in one worker process per core (pytest-xdist, each test file on one worker so
+# that its module fixtures run once); `-n 0` among the arguments runs them in this process.
 # Prints the 15 slowest tests at the end. Exits non-zero on any failure, and when no test was
 # collected.
 set -euo pipefail
@@ -17,7 +16,7 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 source scripts/_setup_env.sh
 set +e
-python -m pytest -n auto --dist loadgroup --durations=15 ${tier[@]+"${tier[@]}"} "$@"
+python -m pytest -n auto --dist loadfile --durations=15 ${tier[@]+"${tier[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -19,22 +19,7 @@ def _is_gpu(item):
     return item.get_closest_marker("gpu") is not None
 
 
-def _module_scoped(item) -> bool:
-    """Whether ``item`` uses a module- or class-scoped fixture (one run for all the tests of
-    its file that use it)."""
-    info = getattr(item, "_fixtureinfo", None)
-    return info is not None and any(
-        defs[-1].scope in ("module", "class") for defs in info.name2fixturedefs.values() if defs)
-
-
 def pytest_collection_modifyitems(config, items):
-    # scripts/test.sh runs pytest-xdist with --dist loadgroup: a test goes to whichever worker
-    # is free, except the tests of a file that share a module fixture (often a training run or
-    # a torchrun launch, 10-60 s), which stay together on one worker so that it runs once.
-    shared = {item.path for item in items if _module_scoped(item)}
-    for item in items:
-        if item.path in shared:
-            item.add_marker(pytest.mark.xdist_group(name=str(item.path)))
     if torch.cuda.is_available() or REQUIRE_GPU:
         return
     skip_gpu = pytest.mark.skip(reason=NO_CUDA)
