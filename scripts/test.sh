@@ -16,7 +16,11 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 source scripts/_setup_env.sh
 set +e
-python -m pytest -n auto --dist loadfile --durations=15 ${tier[@]+"${tier[@]}"} "$@"
+# --no-loadscope-reorder: the files go out in collection order, tests/acceptance/ (the longest,
+# end to end) first. xdist's default order, most tests first, sent the 5-test fidelity file
+# (165 s) last: measured, the other worker sat idle for its last 60 s.
+python -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15 \
+    ${tier[@]+"${tier[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -8,11 +8,19 @@ them, each run starts with the modules in memory. A run is still a separate proc
 pid, SIGKILL kills it alone, its exit status is what ``sys.exit(cli(argv))`` gives (a signal:
 minus its number, as `subprocess.Popen`), its stdout and stderr go to the file named.
 
-What differs from ``python script.py``: the environment is the server's, fixed when it
-starts (torch reads OMP_NUM_THREADS at import), and anything printed while importing is on
-the server's stderr. Tests of what the command itself prints at start-up keep real processes.
-The server only imports (no thread is running when it forks: a fork copies only the calling
-thread, so a pool started before it would be left half there in the child).
+What differs from ``python script.py``: a run's environment is the server's unless `start`
+is given one, and then only the variables read at run time may differ (those read while
+importing, `IMPORT_TIME`, must be the server's: `start` refuses a run that changes one);
+torch's thread count follows the run's OMP_NUM_THREADS. Anything printed while importing is
+on the server's stderr. Tests of what the command itself prints at start-up keep real
+processes. The server only imports (no thread is running when it forks: a fork copies only
+the calling thread, so a pool started before it would be left half there in the child).
+
+`torchrun` starts ``nproc`` runs as ``torchrun --standalone --nproc_per_node N`` starts its
+workers: the environment its agent gives each (torch/distributed/elastic/agent/server/
+local_elastic_agent.py), rank 0 hosting the store, the others killed when one fails. The
+suite keeps real torchrun where the launcher is what a test is about
+(tests/acceptance/test_run_clm.py's ``from_config``).
 """
 
 from __future__ import annotations
@@ -20,10 +28,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+# Read while the server imports, so a run cannot change them: sys.path, torch's thread pool
+# (OMP_NUM_THREADS: a run may set it, not drop it), huggingface_hub's and datasets' paths and
+# offline switches (module constants), tokenizers' parallelism.
+IMPORT_TIME = ("PYTHONPATH", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_CACHE",
+               "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
 
 # The server: read one JSON request per line on stdin, fork, answer on the protocol fd; reap
 # children and report their exit status. One thread, polling 20 times a second.
@@ -47,6 +63,11 @@ def child(req):
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.chdir(req["cwd"])
+    if req["env"] is not None:
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if "OMP_NUM_THREADS" in req["env"] and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
     sys.argv = [script, *req["argv"]]
     code = 1
     try:
@@ -112,6 +133,7 @@ class Preloaded:
 
     def __init__(self, script: Path, env: dict[str, str], preload: str = "",
                  timeout: float = 300):
+        self._env = dict(env)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER, str(script), preload], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env)
@@ -141,20 +163,70 @@ class Preloaded:
                     run.returncode = msg["rc"]
                     run._ended.set()
 
-    def start(self, argv: list[str], *, out: Path, cwd: Path | str = ".") -> Run:
+    def start(self, argv: list[str], *, out: Path, cwd: Path | str = ".",
+              env: dict[str, str] | None = None) -> Run:
         """Fork a run of ``cli(argv)`` in ``cwd``, its stdout and stderr written to ``out``
-        (a file, or a FIFO to read as it runs: the run blocks until the FIFO has a reader)."""
+        (a file, or a FIFO to read as it runs: the run blocks until the FIFO has a reader),
+        with the environment ``env`` (default: the server's)."""
+        if env is not None:
+            changed = [k for k in IMPORT_TIME if env.get(k) != self._env.get(k)]
+            if "OMP_NUM_THREADS" in self._env and "OMP_NUM_THREADS" not in env:
+                changed.append("OMP_NUM_THREADS")
+            if changed:
+                raise ValueError(f"a forked run cannot change {', '.join(changed)}: read "
+                                 f"while the server imported; start a server with them")
         run = Run()
         with self._lock:
             rid, self._next = self._next, self._next + 1
             self._runs[rid] = run
         req = {"id": rid, "argv": [str(a) for a in argv], "out": str(out),
-               "cwd": str(Path(cwd).resolve())}
+               "cwd": str(Path(cwd).resolve()), "env": None if env is None else dict(env)}
         self._proc.stdin.write((json.dumps(req) + "\n").encode())
         self._proc.stdin.flush()
         if not run._started.wait(self._timeout):
             raise RuntimeError(f"the preloading server did not fork {argv}")
         return run
+
+    def torchrun(self, nproc: int, argv: list[str], *, out_dir: Path, cwd: Path | str = ".",
+                 env: dict[str, str] | None = None, timeout: float = 400) -> tuple[int, str]:
+        """``nproc`` runs of ``cli(argv)`` as the workers of ``torchrun --standalone
+        --nproc_per_node nproc`` (their outputs in ``out_dir``/rank<i>.log); waits for all:
+        (0, or the first failed rank's exit status; the ranks' outputs, rank 0 first). When
+        a rank fails the others are killed, as torchrun's agent does."""
+        base = dict(self._env if env is None else env)
+        if nproc > 1:
+            base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        runs, logs = [], []
+        for rank in range(nproc):
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                            ROLE_RANK=str(rank), ROLE_NAME="default", WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
+                            ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                            TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                            TORCHELASTIC_USE_AGENT_STORE="False",
+                            TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get(
+                                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+            logs.append(Path(out_dir) / f"rank{rank}.log")
+            runs.append(self.start(argv, out=logs[-1], cwd=cwd, env=rank_env))
+        deadline, failed = time.monotonic() + timeout, 0
+        pending = list(runs)
+        while pending:
+            for run in list(pending):
+                if run._ended.wait(0.05):
+                    pending.remove(run)
+                    if run.returncode != 0 and not failed:
+                        failed = run.returncode
+                        for other in pending:
+                            other.kill()
+            if pending and time.monotonic() > deadline:
+                for run in pending:
+                    run.kill()
+                raise subprocess.TimeoutExpired(f"torchrun of {argv}", timeout)
+        return failed, "".join(log.read_text() for log in logs)
 
     def close(self) -> None:
         """Stop the server; it kills any run still going."""

@@ -223,31 +223,39 @@ def test_tensor_parallel_snippet(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_estimate_snippet(tmp_path):
-    _run_estimate_snippet(tmp_path, "--params 7B")
+def test_estimate_snippet(tmp_path, monkeypatch, capsys):
+    _run_estimate_snippet(tmp_path, monkeypatch, capsys, "--params 7B")
 
 
-@pytest.mark.slow
-def test_estimate_tp_snippet(tmp_path):
-    _run_estimate_snippet(tmp_path, "--tp_size 8")
+def test_estimate_tp_snippet(tmp_path, monkeypatch, capsys):
+    _run_estimate_snippet(tmp_path, monkeypatch, capsys, "--tp_size 8")
 
 
-def test_estimate_fraction_snippet(tmp_path):
-    _run_estimate_snippet(tmp_path, "--offload_fraction 0.5")
+def test_estimate_fraction_snippet(tmp_path, monkeypatch, capsys):
+    _run_estimate_snippet(tmp_path, monkeypatch, capsys, "--offload_fraction 0.5")
 
 
-@pytest.mark.slow
-def test_estimate_fsdp2_snippet(tmp_path):
-    _run_estimate_snippet(tmp_path, "--fsdp2_offload")
+def test_estimate_fsdp2_snippet(tmp_path, monkeypatch, capsys):
+    _run_estimate_snippet(tmp_path, monkeypatch, capsys, "--fsdp2_offload")
 
 
-def _run_estimate_snippet(tmp_path, needle):
-    """The command as shown; every line shown after "..." is in its output."""
+def _run_estimate_snippet(tmp_path, monkeypatch, capsys, needle):
+    """The command as shown, through the function the installed `hf-zoffload` runs, in this
+    process (the executable itself: test_commands_snippet), with no accelerate config and no
+    HF_ZOFFLOAD_* of the caller's; every line shown after "..." is in its output."""
+    from importlib.metadata import entry_points
+
+    from accelerate.commands.config import config_args
+
     code = _find("text", needle)
     command, shown = code.splitlines()[0].removeprefix("$ "), code.split("...\n", 1)[1]
-    out = subprocess.run(command.split(), env=_env(tmp_path), capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    program, *argv = command.split()
+    scripts = entry_points(group="console_scripts", name=program)
+    assert len({ep.value for ep in scripts}) == 1, (program, scripts)  # one installed meaning
+    for key in [k for k in os.environ if k.startswith("HF_ZOFFLOAD_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(config_args, "default_config_file", str(tmp_path / "none.yaml"))
+    assert next(iter(scripts)).load()(argv) == 0
+    out = capsys.readouterr().out
     for line in shown.strip().splitlines():
-        assert line in out.stdout.splitlines(), line
+        assert line in out.splitlines(), line

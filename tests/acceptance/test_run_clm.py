@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._preloaded import Preloaded
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,32 @@ def offline_env():
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def run_env(**extra):
+    """A run's environment: offline, no GPU, one torch thread, none of the caller's
+    ZeRO-Offload, accelerate or FSDP settings."""
+    env = {k: v for k, v in offline_env().items()
+           if not k.startswith(("HF_ZOFFLOAD_", "ACCELERATE_", "FSDP_"))}
+    return dict(env, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **extra)
+
+
+@pytest.fixture(scope="module")
+def clm():
+    """run_clm.py imported once; the runs of this file fork from it (tests/_preloaded.py: a
+    run started afresh spends ~8 of its ~10 CPU-s importing). The runs a user's command is
+    about (`python scripts/run_clm.py`, `accelerate launch`, torchrun) stay real processes."""
+    with Preloaded(ROOT / "scripts" / "run_clm.py", run_env(),
+                   "import datasets; from transformers import GPT2LMHeadModel, "
+                   "LlamaForCausalLM") as server:
+        yield server
+
+
+def _fork(clm, argv, *, cwd, env=None, name="run"):
+    """One forked run of run_clm.py: (exit status, its stdout and stderr)."""
+    log = Path(cwd) / f"{name}.log"
+    rc = clm.start(argv, out=log, cwd=cwd, env=env).wait(timeout=400)
+    return rc, log.read_text()
 
 
 @pytest.mark.slow
@@ -77,7 +105,7 @@ def test_help_says_what_it_does(capsys):
 
 
 @pytest.mark.slow
-def test_run_clm_two_processes_save_and_resume(tmp_path):
+def test_run_clm_two_processes_save_and_resume(tmp_path, clm):
     """ZeroOffloadTrainer under `accelerate launch --multi_gpu --num_processes 2` on CPUs
     (gloo): trains unwrapped (the engine partitions the host state), saves a checkpoint whose
     optimizer.pt holds the whole state, and resumes from it with one process."""
@@ -127,11 +155,9 @@ def test_run_clm_two_processes_save_and_resume(tmp_path):
                for t in weights.values())
 
     # resume the 2-rank checkpoint with one process
-    resume = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), *common,
-              "--resume_from_checkpoint", str(ckpt)]
-    proc = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rc, text = _fork(clm, [*common, "--resume_from_checkpoint", str(ckpt)], cwd=tmp_path,
+                     env=run_env(HF_ZOFFLOAD_COMPUTE_DTYPE="fp32"), name="resume")
+    assert rc == 0, text[-6000:]
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
 
@@ -203,22 +229,35 @@ def test_torchrun_on_cpus_adds_use_cpu():
     (["--model_type", "gpt3"], "run_clm.py: error: ValueError: unknown --model_type 'gpt3'"),
 ])
 @pytest.mark.slow
-def test_configuration_errors_are_one_line(argv, line, tmp_path):
+def test_configuration_errors_are_one_line(argv, line, tmp_path, clm):
     """Issue 24: a bad value arrived after 9-29 lines of traceback; now one line and exit
     status 2, the traceback only with HF_ZOFFLOAD_TRACEBACK=1."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), *argv, "--output_dir",
-           str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+    argv = [*argv, "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+    rc, text = _fork(clm, argv, cwd=tmp_path, name="one_line")
+    assert rc == 2, text[-3000:]
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), text[-3000:]
+    assert not (tmp_path / "out").exists()  # refused before any work
+    rc, text = _fork(clm, argv, cwd=tmp_path, env=run_env(HF_ZOFFLOAD_TRACEBACK="1"),
+                     name="traceback")
+    assert rc == 1 and "Traceback (most recent call last)" in text
+
+
+@pytest.mark.slow
+def test_a_configuration_error_is_one_line_from_a_fresh_process(tmp_path):
+    """What `python scripts/run_clm.py` prints, imports included: the one line alone."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_clm.py"), "--zero_offload",
+           "--zero_offload_bucket_size_mb", "-1", "--output_dir", str(tmp_path / "out"),
+           "--use_cpu", "--report_to", "none"]
     env = offline_env()
     env.pop("HF_ZOFFLOAD_TRACEBACK", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-3000:]
-    assert not (tmp_path / "out").exists()  # refused before any work
-    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(env, HF_ZOFFLOAD_TRACEBACK="1"),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "run_clm.py: error: ValueError: --zero_offload_bucket_size_mb"), proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_evaluation_only_needs_only_the_validation_data(tmp_path):
@@ -268,15 +307,12 @@ def _tp_data(tmp_path):
     return tok
 
 
-def _clm(tmp_path, name, argv, *, ranks=1, use_cpu=True, output=None):
-    """run_clm.py alone, or under torchrun with ``ranks`` processes; its log entries (and
-    its stdout and stderr appended to ``output`` if given)."""
+def _clm(clm, tmp_path, name, argv, *, ranks=1, use_cpu=True, output=None, torchrun=False):
+    """run_clm.py forked from ``clm``: one process, or ``ranks`` started as torchrun starts
+    them (``torchrun``: under torchrun itself, real processes); its log entries (and its
+    stdout and stderr appended to ``output`` if given)."""
     out = tmp_path / name
-    launch = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(ranks)]
-    cmd = [*launch, str(ROOT / "scripts" / "run_clm.py"), *argv,
-           "--train_file", str(tmp_path / "train.txt"), "--validation_file",
+    args = [*argv, "--train_file", str(tmp_path / "train.txt"), "--validation_file",
            str(tmp_path / "valid.txt"), "--block_size", "32", "--max_train_samples", "64",
            "--max_eval_samples", "8", "--do_train", "--do_eval", "--zero_offload",
            "--max_steps", "4", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
@@ -284,13 +320,21 @@ def _clm(tmp_path, name, argv, *, ranks=1, use_cpu=True, output=None):
            "true", "--save_strategy", "no", "--logging_steps", "1", "--output_dir", str(out),
            # the memory figures in log_history: on its first entry (off: the stock entries)
            "--zero_offload_log_history_extras"]
-    env = offline_env()
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(ranks), str(ROOT / "scripts" / "run_clm.py"), *args]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True,
+                              text=True, timeout=400)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    elif ranks == 1:
+        rc, text = _fork(clm, args, cwd=tmp_path, name=name)
+    else:
+        logs = tmp_path / f"{name}_logs"
+        logs.mkdir()
+        rc, text = clm.torchrun(ranks, args, out_dir=logs, cwd=tmp_path)
+    assert rc == 0, text[-6000:]
     if output is not None:
-        output.append(proc.stdout + proc.stderr)
+        output.append(text)
     state = json.loads((out / "trainer_state.json").read_text())["log_history"]
     evals = json.loads((out / "eval_results.json").read_text())
     return [e for e in state if "loss" in e], state[0]["offload_host_mib"], evals
@@ -316,18 +360,19 @@ def _same_run(one, two):
 
 
 @pytest.fixture(scope="module")
-def from_config(tmp_path_factory):
-    """--model_type llama: one process, and --tp_size 2 under torchrun without --use_cpu
-    (run_clm adds it on CPUs; the torchrun run of test_tp_size_from_pretrained_equals_one_process
-    gives it): (their log entries, host MiB, eval results) and the torchrun run's output."""
+def from_config(tmp_path_factory, clm):
+    """--model_type llama: one process, and --tp_size 2 under torchrun itself without
+    --use_cpu (run_clm adds it on CPUs; the run of
+    test_tp_size_from_pretrained_equals_one_process gives it): (their log entries, host MiB,
+    eval results) and the torchrun run's output."""
     tmp_path = tmp_path_factory.mktemp("from_config")
     _tp_data(tmp_path)
     argv = ["--model_type", "llama", "--config_overrides", LLAMA, "--tokenizer_name",
             str(tmp_path / "tok")]
     output = []
-    one = _clm(tmp_path, "one", argv)
-    two = _clm(tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2, use_cpu=False,
-               output=output)
+    one = _clm(clm, tmp_path, "one", argv)
+    two = _clm(clm, tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2, use_cpu=False,
+               output=output, torchrun=True)
     return one, two, output[0]
 
 
@@ -340,7 +385,7 @@ def test_tp_size_from_a_config_equals_one_process(from_config):
 
 
 @pytest.mark.slow
-def test_tp_size_from_pretrained_equals_one_process(tmp_path):
+def test_tp_size_from_pretrained_equals_one_process(tmp_path, clm):
     """--model_name_or_path M --tp_size 2: each rank loads its shards (transformers'
     sharded loading, every rank tensor parallel); one process's run; the model saved whole
     loads in one process."""
@@ -353,8 +398,8 @@ def test_tp_size_from_pretrained_equals_one_process(tmp_path):
     LlamaForCausalLM(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     argv = ["--model_name_or_path", str(model_dir)]
-    one = _clm(tmp_path, "one", argv)
-    _same_run(one, _clm(tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2))
+    one = _clm(clm, tmp_path, "one", argv)
+    _same_run(one, _clm(clm, tmp_path, "two", [*argv, "--tp_size", "2"], ranks=2))
     from safetensors.torch import load_file
 
     a = load_file(str(tmp_path / "one" / "model.safetensors"))
@@ -376,24 +421,17 @@ def test_torchrun_without_use_cpu_is_two_ranks(from_config):
 
 
 @pytest.mark.slow
-def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path):
+def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path, clm):
     """run_clm.py --zero_offload --fsdp "full_shard offload" (one rank, as torchrun starts
     it: transformers refuses FSDP outside distributed training) on GPT-2 with its tied head:
     the Trainer shards it with accelerate's FSDP2 policy and the engine trains the shards;
-    the losses and the eval loss are the plain --zero_offload run's. Both runs fork from one
-    server that imported run_clm (tests/_preloaded.py)."""
+    the losses and the eval loss are the plain --zero_offload run's."""
     from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
-    from tests._preloaded import Preloaded
 
     docs = stdlib_corpus(max_mb=0.1)
     (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
     (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
     train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tok")
-    env = {k: v for k, v in offline_env().items()
-           if not k.startswith(("HF_ZOFFLOAD_", "ACCELERATE_", "FSDP_"))}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", LOCAL_RANK="0", RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29613")
     argv = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=2",
             "--tokenizer_name", str(tmp_path / "tok"), "--train_file", str(tmp_path / "train.txt"),
             "--validation_file", str(tmp_path / "valid.txt"), "--block_size", "32",
@@ -404,17 +442,16 @@ def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path):
             "--save_strategy", "no", "--logging_steps", "1",
             "--zero_offload_log_history_extras"]
     got = {}
-    with Preloaded(ROOT / "scripts" / "run_clm.py", env,
-                   "import datasets; from transformers import GPT2LMHeadModel") as server:
-        for name, extra in (("fsdp", ["--fsdp", "full_shard offload"]), ("plain", [])):
-            out = tmp_path / name
-            log = tmp_path / f"{name}.log"
-            rc = server.start([*argv, *extra, "--output_dir", str(out)], out=log,
-                              cwd=tmp_path).wait(timeout=400)
-            assert rc == 0, log.read_text()[-4000:]
-            state = json.loads((out / "trainer_state.json").read_text())["log_history"]
-            got[name] = ([e for e in state if "loss" in e],
-                         json.loads((out / "eval_results.json").read_text()), log.read_text())
+    for name, extra in (("fsdp", ["--fsdp", "full_shard offload"]), ("plain", [])):
+        out = tmp_path / name
+        logs = tmp_path / f"{name}_logs"
+        logs.mkdir()
+        rc, text = clm.torchrun(1, [*argv, *extra, "--output_dir", str(out)], out_dir=logs,
+                                cwd=tmp_path)
+        assert rc == 0, text[-4000:]
+        state = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        got[name] = ([e for e in state if "loss" in e],
+                     json.loads((out / "eval_results.json").read_text()), text)
     (fsdp, fsdp_eval, text), (plain, plain_eval, plain_text) = got["fsdp"], got["plain"]
     # the memory report's host line counts FSDP2's sharded params (the engine's 16-bit copy)
     host_params = re.compile(r"host .*\bparams [\d.]+ KiB")

@@ -279,5 +279,11 @@ def main(out: str, jobs: str, tp: str) -> None:
     dist.barrier()
 
 
+def cli(argv: list[str]) -> int:
+    """What a rank runs (under torchrun, or forked by tests/_preloaded.py's server)."""
+    main(*argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

@@ -6,8 +6,6 @@ Accelerator), read from ``accelerate launch``'s environment, or held by the acce
 on a GPU process (simulated: the state a GPU process's Accelerator has)."""
 
 import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from hf_zoffload.integrations import fsdp2
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
 from hf_zoffload.offload.fsdp2 import Fsdp2Exchange
 from tests._env import cpu_only_env
+from tests._preloaded import Preloaded
 from tests._tiny import batches, tiny_llama
 from tests.integrations import _fsdp2_worker as tw
 from tests.offload import _fsdp2_worker as w
@@ -315,14 +314,15 @@ def test_trainer_fsdp_with_auto_find_batch_size_refuses(tmp_path):
 
 
 def _torchrun(out, n: int, jobs: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(n), str(ROOT / "tests" / "integrations" / "_fsdp2_worker.py"), str(out), jobs]
+    """``n`` ranks forked from a server that imported _fsdp2_worker once, started as torchrun
+    starts its workers (tests/_preloaded.py)."""
     env = cpu_only_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=str(ROOT))
     env = {k: v for k, v in env.items() if not k.startswith(("HF_ZOFFLOAD_", "ACCELERATE_",
                                                              "FSDP_"))}
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with Preloaded(ROOT / "tests" / "integrations" / "_fsdp2_worker.py", env) as ranks:
+        rc, text = ranks.torchrun(n, [str(out), jobs], out_dir=out, cwd=out, timeout=600)
+    assert rc == 0, text[-8000:]
     return torch.load(out / "results.pt", weights_only=False)
 
 

@@ -1,10 +1,9 @@
 """Tensor parallelism through the integrations (issue 13): the ZeroOffloadTrainer with
 ``parallelism_config``, `prepare_zero_offload` with an accelerate ParallelismConfig and a model
-sharded at load time, each under torchrun on CPU processes (gloo) against one process on the
-same model and data (tests/integrations/_tp_worker.py)."""
+sharded at load time, each on CPU processes (gloo) started as torchrun starts its workers,
+against one process on the same model and data (tests/integrations/_tp_worker.py)."""
 
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from hf_zoffload.integrations import parallel
 from tests._env import cpu_only_env
+from tests._preloaded import Preloaded
 from tests.integrations import _tp_worker as w
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +32,22 @@ ATOL, RTOL = 1e-5, 1e-4
 SHARDED = 2 * 7 + 1 + ("model.embed_tokens" in w.llama().tp_plan)
 
 
-def _torchrun(out: Path, n: int, jobs: str, tp: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(n), str(ROOT / "tests" / "integrations" / "_tp_worker.py"), str(out), jobs,
-           str(tp)]
+@pytest.fixture(scope="module")
+def ranks():
+    """The ranks' server: _tp_worker imported once, each rank forked from it as torchrun
+    starts its workers (tests/_preloaded.py; a rank started afresh spends ~8 CPU-s
+    importing, and this file starts 6)."""
     env = cpu_only_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=str(ROOT))
     env = {k: v for k, v in env.items() if not k.startswith(("HF_ZOFFLOAD_", "ACCELERATE_",
                                                              "PARALLELISM_CONFIG_"))}
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with Preloaded(ROOT / "tests" / "integrations" / "_tp_worker.py", env) as server:
+        yield server
+
+
+def _torchrun(ranks: Preloaded, out: Path, n: int, jobs: str, tp: int) -> dict:
+    rc, text = ranks.torchrun(n, [str(out), jobs, str(tp)], out_dir=out, cwd=out)
+    assert rc == 0, text[-8000:]
     return torch.load(out / "results.pt", weights_only=False)
 
 
@@ -57,10 +63,10 @@ def _one(out: Path, job: str, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ranks):
     two = tmp_path_factory.mktemp("tp2")
     one = tmp_path_factory.mktemp("tp1")
-    got = _torchrun(two, 2, "trainer,loop,pretrained,resumed,refusals,forms", 2)
+    got = _torchrun(ranks, two, 2, "trainer,loop,pretrained,resumed,refusals,forms", 2)
     ref = {job: _one(one, job) for job in ("trainer", "loop", "pretrained")}
     return {"two": got, "one": ref, "dirs": (two, one)}
 
@@ -185,11 +191,11 @@ def test_both_forms_of_transformers_tensor_parallel_api_shard_alike(runs):
 
 
 @pytest.mark.slow
-def test_dp2_x_tp2_equals_one_process(tmp_path):
+def test_dp2_x_tp2_equals_one_process(tmp_path, ranks):
     """4 processes: ParallelismConfig(dp_shard_size=2, tp_size=2). Each data-parallel pair
     takes half of one process's batch (the tensor-parallel ranks of a pair the same half),
     the engine averages over the pair: one process's norms and params."""
-    got = _torchrun(tmp_path, 4, "trainer,loop", 2)
+    got = _torchrun(ranks, tmp_path, 4, "trainer,loop", 2)
     for job in ("trainer", "loop"):
         ref = _one(tmp_path / "one", job)
         assert len(got[job]["sharded"]) == SHARDED
