@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests._env import fresh_accelerate_state
+from tests._preloaded import Preloaded
 from tests._tiny import VOCAB, TokenBlocks, tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +145,9 @@ def test_accelerate_snippet(fresh_accelerate):
 @pytest.mark.slow
 def test_run_clm_snippet(tmp_path):
     """The two run_clm.py lines, with options that make them small and quick appended (later
-    options win); without --bf16 where there is no GPU, as the README says."""
+    options win); without --bf16 where there is no GPU, as the README says. Both fork from
+    one server that imported run_clm (tests/_preloaded.py; `python scripts/run_clm.py` as a
+    fresh process: tests/acceptance/test_run_clm.py)."""
     from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
 
     docs = stdlib_corpus(max_mb=0.1)
@@ -156,19 +159,20 @@ def test_run_clm_snippet(tmp_path):
              "--disable_tqdm", "true"]
     lines = code.strip().splitlines()
     assert len(lines) == 2
-    for i, line in enumerate(lines):
-        argv = line.split()
-        assert argv[:2] == ["python", "scripts/run_clm.py"]
-        extra = small + (["--config_overrides", "n_layer=2,n_embd=32,n_head=2", "--max_steps",
-                          "3", "--max_train_samples", "64", "--save_strategy", "no"]
-                         if i == 0 else [])
-        if not torch.cuda.is_available():
-            argv = [a for a in argv if a != "--bf16"]
-        proc = subprocess.run([sys.executable, str(ROOT / argv[1]), *argv[2:], *extra],
-                              cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                              text=True, timeout=400)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert "perplexity" in proc.stdout + proc.stderr
+    with Preloaded(ROOT / "scripts" / "run_clm.py", _env(tmp_path),
+                   "import datasets; from transformers import GPT2LMHeadModel") as server:
+        for i, line in enumerate(lines):
+            argv = line.split()
+            assert argv[:2] == ["python", "scripts/run_clm.py"]
+            extra = small + (["--config_overrides", "n_layer=2,n_embd=32,n_head=2",
+                              "--max_steps", "3", "--max_train_samples", "64",
+                              "--save_strategy", "no"] if i == 0 else [])
+            if not torch.cuda.is_available():
+                argv = [a for a in argv if a != "--bf16"]
+            log = tmp_path / f"line{i}.log"
+            rc = server.start([*argv[2:], *extra], out=log, cwd=tmp_path).wait(timeout=400)
+            assert rc == 0, log.read_text()[-5000:]
+            assert "perplexity" in log.read_text()
     assert (tmp_path / "eval_out" / "eval_results.json").is_file()
 
 
