@@ -106,11 +106,11 @@ def test_help_says_what_it_does(capsys):
 
 @pytest.mark.slow
 def test_run_clm_two_processes_save_and_resume(tmp_path, clm):
-    """ZeroOffloadTrainer under `accelerate launch --multi_gpu --num_processes 2` on CPUs
-    (gloo): trains unwrapped (the engine partitions the host state), saves a checkpoint whose
-    optimizer.pt holds the whole state, and resumes from it with one process."""
-    import socket
-
+    """ZeroOffloadTrainer on 2 CPU ranks (gloo) started as torchrun starts them (forked from
+    ``clm``; the launchers themselves: from_config's torchrun, and `hf-zoffload launch
+    --multi_gpu` in tests/commands/test_launch.py): trains unwrapped (the engine partitions
+    the host state), saves a checkpoint whose optimizer.pt holds the whole state, and
+    resumes from it with one process."""
     import torch
 
     from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
@@ -119,9 +119,6 @@ def test_run_clm_two_processes_save_and_resume(tmp_path, clm):
     (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
     (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
     train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tok")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "out"
     common = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=2",
               "--tokenizer_name", str(tmp_path / "tok"), "--train_file",
@@ -131,14 +128,11 @@ def test_run_clm_two_processes_save_and_resume(tmp_path, clm):
               "--learning_rate", "3e-3", "--output_dir", str(out), "--report_to", "none",
               "--use_cpu", "--disable_tqdm", "true", "--save_strategy", "steps",
               "--save_steps", "2", "--ddp_timeout", "60", "--logging_steps", "1"]
-    env = offline_env()
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_ZOFFLOAD_COMPUTE_DTYPE="fp32")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-           "--num_processes", "2", "--main_process_port", str(port),
-           str(ROOT / "scripts" / "run_clm.py"), *common]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = run_env(HF_ZOFFLOAD_COMPUTE_DTYPE="fp32")
+    (tmp_path / "ranks").mkdir()
+    rc, text = clm.torchrun(2, common, out_dir=tmp_path / "ranks", cwd=tmp_path, env=env,
+                            timeout=600)
+    assert rc == 0, text[-6000:]
     ckpt = out / "checkpoint-2"
     state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     n_params = sum(len(g["params"]) for g in state["param_groups"])
@@ -156,7 +150,7 @@ def test_run_clm_two_processes_save_and_resume(tmp_path, clm):
 
     # resume the 2-rank checkpoint with one process
     rc, text = _fork(clm, [*common, "--resume_from_checkpoint", str(ckpt)], cwd=tmp_path,
-                     env=run_env(HF_ZOFFLOAD_COMPUTE_DTYPE="fp32"), name="resume")
+                     env=env, name="resume")
     assert rc == 0, text[-6000:]
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
