@@ -15,6 +15,13 @@ if [ "${1:-}" = "--fast" ]; then
     tier=(-m "not slow")
 fi
 source scripts/_setup_env.sh
+# One torch thread per worker and per process a test starts without its own setting (the
+# caller's OMP_* win): beside a second worker, two threads each oversubscribe the cores and
+# OpenMP's spinning waits burn the other worker's time. Measured on 2 cores, 10 in-process
+# files on 2 workers: 112 s wall and 200 CPU-s with torch's default threads, 82 s and 134 with
+# one, 75 s and 123 with one that sleeps when it waits (PASSIVE). Tests that need several
+# threads ask for them (the kernels' num_threads, the engine's cpu_threads).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 set +e
 # --no-loadscope-reorder: the files go out in collection order, tests/acceptance/ (the longest,
 # end to end) first. xdist's default order, most tests first, sent the 5-test fidelity file

@@ -100,8 +100,11 @@ def test_the_scripts_exit_2_with_one_line(tmp_path):
     assert _one_line(proc.stderr).startswith(
         "train_accelerate.py: error: ValueError: HF_ZOFFLOAD_BUCKET_SIZE_MB='-1': ZeRO-Offload "
         "setting 'bucket_size_mb': '-1' is not allowed"), proc.stderr
+    # a subcommand whose error comes before any heavy import (0.2 CPU-s, estimate's 5)
     proc = subprocess.run(
-        [sys.executable, "-m", "hf_zoffload.commands.main", "estimate", "--params", "7B",
-         "--gpu_memory", "24"], env=_env(**{TRACEBACK_ENV: "1"}), cwd=tmp_path,
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "hf_zoffload.commands.main", "config", "--config_file",
+         str(tmp_path / "acc.yaml"), "--mixed_precision", "bf16"],
+        env=_env(**{TRACEBACK_ENV: "1"}), cwd=tmp_path, capture_output=True, text=True,
+        timeout=300)
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert "ValueError: --mixed_precision only applies with --default" in proc.stderr
