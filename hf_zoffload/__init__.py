@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 # Public names, resolved lazily so that `import hf_zoffload` does not import
 # transformers or triton (about 3 s on 2 cores) for users of the bare optimizer.
-# What users reach for: the three ways in (Trainer, Accelerate, a plain loop), the settings,
+# What users reach for: the three ways in (a Trainer, or any Trainer subclass through the two
+# factories; Accelerate; a plain loop), the settings,
 # the parallelism config the integrations take, and the memory estimator. Internals (the
 # loss scaler, the exchanges) stay in their modules.
 _EXPORTS = {
@@ -23,6 +24,8 @@ _EXPORTS = {
     "estimate": "hf_zoffload.offload.memory",
     "format_report": "hf_zoffload.offload.memory",
     "prepare_zero_offload": "hf_zoffload.integrations.accelerate",
+    "zero_offload_args": "hf_zoffload.integrations.arguments",
+    "zero_offload_trainer": "hf_zoffload.integrations.trainer",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

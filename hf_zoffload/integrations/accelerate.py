@@ -41,12 +41,13 @@ import functools
 import logging
 
 import torch
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin
 
 from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.fsdp2 import fsdp2_states
-from . import core, fsdp2, parallel
+from . import core, parallel
+from .plan import ACCELERATE, make_plan, prepare_unwrapped
 
 __all__ = ["prepare_zero_offload", "zero_offload_enabled"]
 
@@ -56,20 +57,6 @@ logger = logging.getLogger(__name__)
 def zero_offload_enabled(*, environ=None) -> bool:
     """HF_ZOFFLOAD_ENABLED if set, else the sidecar's ``zero_offload:``, else True."""
     return enabled_from_sources(default=True, environ=environ)
-
-
-def _check_accelerator(accelerator, fsdp_plugin) -> None:
-    allowed = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-    # FSDP: a GPU process's accelerator with the FSDP plugin, which `fsdp2.check` decides on
-    if accelerator.distributed_type not in allowed and not (
-            accelerator.distributed_type == DistributedType.FSDP and fsdp_plugin is not None):
-        raise ValueError(
-            f"ZeRO-Offload needs accelerate's distributed_type NO, MULTI_CPU or MULTI_GPU, got "
-            f"{accelerator.distributed_type}: it replaces DeepSpeed/FSDP/Megatron optimizers "
-            "and cannot run under them.")
-    if str(accelerator.mixed_precision) not in ("no", "fp16", "bf16"):
-        raise ValueError(f"accelerate mixed_precision {accelerator.mixed_precision!r} is not "
-                         "supported with ZeRO-Offload; allowed: no, fp16, bf16")
 
 
 def _plugin(accelerator, settings: dict) -> ZeroOffloadPlugin:
@@ -208,43 +195,44 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
     if len(optimizers) != 1:
         raise ValueError(f"prepare_zero_offload needs exactly one optimizer among the objects, "
                          f"got {len(optimizers)}")
-    fsdp = fsdp2.requested(accelerator, fsdp_plugin)
-    _check_accelerator(accelerator, fsdp)
     old = optimizers[0]
-    tp, _ = parallel.parallel_sizes(accelerator.parallelism_config, accelerator.num_processes)
-    if tp > 1 and accelerator.project_configuration.save_on_each_node:
-        raise ValueError("ZeRO-Offload with tensor parallelism saves on the first rank only (the "
-                         "weights and optimizer state are gathered there): drop "
-                         "save_on_each_node")
+    given_engine = isinstance(old, ZeroOffloadOptimizer)
+    if given_engine and (plugin is not None or settings):
+        raise TypeError("the ZeroOffloadOptimizer has its plugin already; pass settings to "
+                        "it, not to prepare_zero_offload")
+    if not given_engine and not isinstance(old, torch.optim.Adam):  # AdamW subclasses Adam
+        raise TypeError(f"{type(old).__name__} cannot be offloaded; allowed: "
+                        "torch.optim.AdamW, torch.optim.Adam, ZeroOffloadOptimizer")
+    engine_plugin = old.plugin if given_engine else plugin or _plugin(accelerator, settings)
     trained_here = [m for m in models if core.trains(m, old)]
-    if fsdp is not None:
-        _check_fsdp(accelerator, fsdp, old, trained_here, plugin, settings)
-    if isinstance(old, ZeroOffloadOptimizer):
+    plan = make_plan(accelerator, front=ACCELERATE, fsdp_plugin=fsdp_plugin,
+                     dtype=engine_plugin.torch_dtype,
+                     save_on_each_node=getattr(getattr(
+                         accelerator, "project_configuration", None), "save_on_each_node", False))
+    if plan.fsdp is not None:
+        _check_fsdp(plan, old, trained_here)
+    for m in trained_here:
+        plan.check_model(m)
+    if given_engine:
         engine = old
-        if plugin is not None or settings:
-            raise TypeError("the ZeroOffloadOptimizer has its plugin already; pass settings to "
-                            "it, not to prepare_zero_offload")
         for m in trained_here:
-            if tp > 1 and parallel.model_tp_size(m) == 1:  # sharding it would strand the engine
+            if plan.tp > 1 and parallel.model_tp_size(m) == 1:  # sharding would strand it
                 raise ValueError(f"the ZeroOffloadOptimizer was built on a whole model, but the "
-                                 f"parallelism_config says tp_size={tp}: build it after the "
-                                 "model is sharded, or pass a torch AdamW (prepare_zero_offload "
-                                 "then shards the model first)")
-            parallel.setup(accelerator, m)  # sizes that do not fit raise; nothing to shard
+                                 f"parallelism_config says tp_size={plan.tp}: build it after "
+                                 "the model is sharded, or pass a torch AdamW "
+                                 "(prepare_zero_offload then shards the model first)")
+            plan.place(accelerator, m)  # sizes that do not fit raise; nothing to shard
     else:
-        if not isinstance(old, torch.optim.Adam):  # AdamW subclasses Adam since torch 2.6
-            raise TypeError(f"{type(old).__name__} cannot be offloaded; allowed: "
-                            "torch.optim.AdamW, torch.optim.Adam, ZeroOffloadOptimizer")
-        plugin = plugin or _plugin(accelerator, settings)
+        plugin = engine_plugin
         _check_dtype(accelerator, plugin)
         plugin.check_device(torch.device(accelerator.device).type)
         # tensor parallelism, or FSDP2: a whole model is sharded before it moves to the device
         sharded = {}
         for m in trained_here:
-            sharded.update(parallel.setup(accelerator, m))
-        if fsdp is not None:
-            fsdp2.leave_fsdp_mode(accelerator)  # everything is checked: nothing refuses now
-            sharded.update(fsdp2.shard(accelerator, trained_here[0], fsdp))
+            sharded.update(plan.place(accelerator, m))
+        plan.enter(accelerator)  # everything is checked: nothing refuses now
+        if plan.fsdp is not None:
+            sharded.update(plan.shard(accelerator, trained_here[0]))
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
                 # FSDP2 with CPU offload keeps its sharded params on the host and moves them
@@ -262,42 +250,31 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
             raise ValueError(f"the optimizer's parameters are on {sorted(wrong)}, not on "
                              f"{accelerator.device}: build the ZeroOffloadOptimizer after "
                              "model.to(accelerator.device), or pass a torch AdamW instead")
-    # Frozen float params of the trained model(s) join the compute dtype, or matmuls would
-    # mix dtypes (not those of e.g. a teacher); reading their weights lands a delayed update.
-    core.install(accelerator, engine)  # the fp16 loss scaler and the clip route
-    trained = core.prepare_models(engine, models)
-    wrapped = core.OffloadedOptimizer(engine)
+    # The fp16 loss scaler and the clip route; frozen float params of the trained model(s)
+    # join the compute dtype, or matmuls would mix dtypes (not those of e.g. a teacher);
+    # reading their weights lands a delayed update.
+    wrapped = plan.wire(accelerator, engine, models)
     ready = []
     for o in objects:
         if o is old:
             o = wrapped
-        elif any(o is m for m in trained):
-            # No DDP wrapper: with several processes the engine reduce-scatters the grads
-            # itself; DDP would all-reduce them again and keep a full gradient copy on the
-            # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.
-            o = accelerator.prepare_model(o, evaluation_mode=True)
+        elif core.trains(o, engine) if isinstance(o, torch.nn.Module) else False:
+            o = prepare_unwrapped(accelerator, o)  # no DDP wrapper (plan.py)
         ready.append(o)
     return accelerator.prepare(*ready)
 
 
-def _check_fsdp(accelerator, fsdp, old, trained_here, plugin, settings) -> None:
-    """Everything about the FSDP plugin that refuses, before anything changes."""
+def _check_fsdp(plan, old, trained_here) -> None:
+    """What the FSDP plugin needs of the objects passed, before anything changes (the plugin
+    itself is checked by `make_plan`)."""
     if len(trained_here) != 1:
         raise ValueError(f"ZeRO-Offload with FSDP2 trains one model; the optimizer's params are "
                          f"in {len(trained_here)} of the models passed")
-    if fsdp2.is_sharded(trained_here[0]):
-        raise ValueError("the model is sharded by fully_shard already and an FSDP plugin asks "
-                         "to shard it: pass one of them (fsdp_plugin=, the Accelerator's, "
-                         "ACCELERATE_USE_FSDP)")
+    plan.check_model(trained_here[0])  # sharded by hand already: refused
     if isinstance(old, ZeroOffloadOptimizer):
         raise ValueError("an FSDP plugin asks to shard the model, but the ZeroOffloadOptimizer "
                          "was built on the whole model: pass a torch AdamW (the model is "
                          "sharded first), or shard the model yourself before building it")
-    engine_plugin = plugin or _plugin(accelerator, settings)
-    pc = accelerator.parallelism_config
-    tp, _ = parallel.parallel_sizes(pc, accelerator.num_processes)
-    fsdp2.check(fsdp, dtype=engine_plugin.torch_dtype, tp=tp,
-                replicas=pc.dp_replicate_size if pc is not None else 1)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

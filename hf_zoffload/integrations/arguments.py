@@ -20,15 +20,14 @@ the model then stays on the host until it is sharded (`_place_model_on_device`).
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import logging
 import math
-import sys
 from dataclasses import field, make_dataclass
 
 import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from ..config import (
     ZeroOffloadPlugin,
@@ -39,11 +38,12 @@ from ..config import (
 )
 from ..ops.cpu_adam import check_hyper
 from ..ops.moments import moment_format
-from . import fsdp2
+from . import compat, fsdp2
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOffloadTrainingArguments", "ALLOWED_OPTIMS", "TRAINER_OPTIONS", "check_argv"]
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadArgumentsMixin", "zero_offload_args",
+           "ALLOWED_OPTIMS", "TRAINER_OPTIONS", "check_argv"]
 
 # The engine is AdamW (decoupled weight decay) with torch's hyperparameters and state keys;
 # these are the Trainer optimizers with exactly that update rule.
@@ -52,7 +52,6 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 # A Trainer class that builds the offload engine from these arguments says so with this class
 # attribute (ZeroOffloadTrainer); any other Trainer would train with them and no offload.
 OFFLOADS_ATTR = "builds_zero_offload_engine"
-_TRAINER_INIT = inspect.unwrap(Trainer.__init__).__code__
 # Arguments the offload path has no use for, each with why; set to anything, they raise
 # (the stock Trainer reads them, so a user who sets one expects an effect).
 UNUSED = {
@@ -175,52 +174,6 @@ def _check_fsdp(self, given, config, dtype) -> None:
         raise ValueError(f"{where}: {why}")
 
 
-def _place_model_on_device(self):
-    # FSDP2 parameter offload: the params stay on the host, where fully_shard keeps each
-    # rank's shard; FSDP2 copies a layer's to the device for its forward and backward.
-    if self.zero_offload and (self.fsdp or fsdp2.requested(None) is not None):
-        return False
-    return TrainingArguments.place_model_on_device.fget(self)
-
-
-def _zero_offload_plugin(self) -> ZeroOffloadPlugin:
-    """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
-    defaults, with the compute dtype and the clip norm taken from the Trainer's own options."""
-    given = _given(self)
-    check_values(given, lambda name: f"--zero_offload_{name}")  # naming the option
-    sourced, where = sourced_values()
-
-    flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
-    flag_name = f"--{flag}"
-    if flag is None and getattr(self, "mixed_precision", "no") in ("fp16", "bf16"):
-        # TrainingArguments took it from ACCELERATE_MIXED_PRECISION (`accelerate launch`
-        # with a config whose mixed_precision is fp16/bf16): the stock Trainer trains in it.
-        flag = self.mixed_precision
-        flag_name = f"accelerate's mixed_precision {flag} (ACCELERATE_MIXED_PRECISION)"
-    if "compute_dtype" in given:
-        dtype, origin = given["compute_dtype"], "--zero_offload_compute_dtype"
-    else:
-        dtype, origin = sourced.get("compute_dtype"), f"compute_dtype in {where}"
-    dtype = None if dtype is None else str(dtype).strip().lower()
-    if flag and dtype is not None and dtype != flag:
-        raise ValueError(f"{flag_name} conflicts with {origin} = {dtype!r}: the compute dtype "
-                         f"is set once; drop one of them")
-    # No flag and nothing explicit: fp32, as the stock Trainer without --fp16/--bf16 (the
-    # plugin's own default, bf16, is for callers that ask for nothing).
-    given["compute_dtype"] = flag or dtype or "fp32"
-
-    if "max_grad_norm" in given and float(given["max_grad_norm"]) != float(self.max_grad_norm):
-        raise ValueError(f"--zero_offload_max_grad_norm {given['max_grad_norm']} conflicts with "
-                         f"--max_grad_norm {self.max_grad_norm}: the Trainer clips through "
-                         "--max_grad_norm; set that one")
-    if "max_grad_norm" in sourced and not math.isclose(float(sourced["max_grad_norm"]),
-                                                       float(self.max_grad_norm)):
-        logger.warning("max_grad_norm %s from %s is replaced by the Trainer's --max_grad_norm %s",
-                       sourced["max_grad_norm"], where, self.max_grad_norm)
-    given["max_grad_norm"] = self.max_grad_norm
-    return ZeroOffloadPlugin.from_sources(**given)
-
-
 def _given(self) -> dict:
     """The ``--zero_offload_<name>`` arguments that were set."""
     return {n: getattr(self, f"zero_offload_{n}") for n in ZeroOffloadPlugin.names()
@@ -255,76 +208,207 @@ def _check_trainer_options(self) -> None:
                              "True, False")
 
 
-def _post_init(self) -> None:
-    _check_trainer_options(self)
-    # Checked with or without offload: TrainingArguments rejects the pair too, but on a
-    # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
-    if self.fp16 and self.bf16:
-        raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
-                         "becomes the compute dtype), or neither for fp32")
-    said_off = self.zero_offload is False
-    fsdp_given = (self.fsdp, self.fsdp_config)  # TrainingArguments rewrites both
-    if self.zero_offload is None:
-        enabled = enabled_from_sources(default=None)  # None: no source says on or off
-        said_off, self.zero_offload = enabled is False, bool(enabled)
-    if self.zero_offload:
-        _check_args(self)
+
+def _zero_offload_plugin(self, model=None) -> ZeroOffloadPlugin:
+    """`ZeroOffloadArgumentsMixin.zero_offload_plugin`."""
+    given = _given(self)
+    check_values(given, lambda name: f"--zero_offload_{name}")  # naming the option
+    sourced, where = sourced_values()
+
+    flag = "fp16" if self.fp16 else "bf16" if self.bf16 else None
+    flag_name = f"--{flag}"
+    if flag is None and getattr(self, "mixed_precision", "no") in ("fp16", "bf16"):
+        # TrainingArguments took it from ACCELERATE_MIXED_PRECISION (`accelerate launch`
+        # with a config whose mixed_precision is fp16/bf16): the stock Trainer trains in it.
+        flag = self.mixed_precision
+        flag_name = f"accelerate's mixed_precision {flag} (ACCELERATE_MIXED_PRECISION)"
+    if "compute_dtype" in given:
+        dtype, origin = given["compute_dtype"], "--zero_offload_compute_dtype"
     else:
-        _check_off(self, said_off)
-    TrainingArguments.__post_init__(self)
-    if self.zero_offload:
-        plugin = self.zero_offload_plugin()  # bad values fail here, before any model work
-        # The device the Trainer will pick, without setting up devices (that would start
-        # the distributed state from inside the arguments).
-        cuda = torch.cuda.is_available() and not self.use_cpu
-        plugin.check_device("cuda" if cuda else "cpu")
-        if self.fsdp:
-            _check_fsdp(self, *fsdp_given, plugin.torch_dtype)
-        try:  # the engine would refuse them inside train()
-            moment_format(plugin.state_dtype).check_betas(self.adam_beta1, self.adam_beta2)
-        except ValueError as err:
-            raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 "
-                             f"{self.adam_beta2} with --zero_offload_state_dtype "
-                             f"{plugin.state_dtype}: {err}") from None
+        dtype, origin = sourced.get("compute_dtype"), f"compute_dtype in {where}"
+    dtype = None if dtype is None else str(dtype).strip().lower()
+    if flag and dtype is not None and dtype != flag:
+        raise ValueError(f"{flag_name} conflicts with {origin} = {dtype!r}: the compute dtype "
+                         f"is set once; drop one of them")
+    # No flag and nothing explicit: the model's dtype, as the stock Trainer without --fp16 /
+    # --bf16 trains a model in the dtype it was loaded in: fp32, or a 16-bit one (the
+    # plugin's own default, bf16, is for callers that ask for nothing).
+    given["compute_dtype"] = flag or dtype or _trained_dtype(model) or "fp32"
+
+    if "max_grad_norm" in given and float(given["max_grad_norm"]) != float(self.max_grad_norm):
+        raise ValueError(f"--zero_offload_max_grad_norm {given['max_grad_norm']} conflicts with "
+                         f"--max_grad_norm {self.max_grad_norm}: the Trainer clips through "
+                         "--max_grad_norm; set that one")
+    if "max_grad_norm" in sourced and not math.isclose(float(sourced["max_grad_norm"]),
+                                                       float(self.max_grad_norm)):
+        logger.warning("max_grad_norm %s from %s is replaced by the Trainer's --max_grad_norm %s",
+                       sourced["max_grad_norm"], where, self.max_grad_norm)
+    given["max_grad_norm"] = self.max_grad_norm
+    return ZeroOffloadPlugin.from_sources(**given)
 
 
-def _get_process_log_level(self) -> int:
-    # transformers.Trainer.__init__ calls this first thing, before it touches the model; the
-    # frame check keeps it an ordinary method for everyone else (scripts call it to set up
-    # their logging).
-    caller = sys._getframe(1)
-    if self.zero_offload and caller.f_code is _TRAINER_INIT:
-        trainer = caller.f_locals.get("self")
-        if not getattr(trainer, OFFLOADS_ATTR, False):
+def _trained_dtype(model) -> str | None:
+    """The compute dtype a model loaded in 16-bit keeps: its trainable float params' one
+    16-bit dtype, else None (fp32, or mixed dtypes)."""
+    if model is None:
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return names.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+def _check_composed(cls) -> None:
+    """A class that combines these arguments with another argument class must be a dataclass
+    itself, or its ``__init__`` (the first base's) would not take the other's fields."""
+    init_owner = next(k for k in cls.__mro__ if "__init__" in vars(k))
+    own = set(getattr(init_owner, "__dataclass_fields__", {}))
+    every = {name for k in cls.__mro__ for name in getattr(k, "__dataclass_fields__", {})}
+    missing = every - own
+    if missing:
+        others = [k.__name__ for k in cls.__mro__[1:] if "__dataclass_fields__" in vars(k)
+                  and set(vars(k)["__dataclass_fields__"]) & missing]
+        raise TypeError(f"{cls.__name__} combines ZeRO-Offload's arguments with "
+                        f"{', '.join(others[:2])} but is not a dataclass, so it takes none of "
+                        f"{others[0]}'s options: decorate it with @dataclasses.dataclass, or "
+                        f"use hf_zoffload.zero_offload_args({others[0]})")
+
+
+class ZeroOffloadArgumentsMixin:
+    """What `zero_offload_args` adds to an argument class besides the fields: the checks, which
+    run before and after the base class's own ``__post_init__`` (reached through ``super()``,
+    so a TRL config's set-up runs too, in either order of the bases), the engine settings, and
+    the placement rule for FSDP2."""
+
+    def __new__(cls, *args, **kwargs):  # before the generated __init__ refuses any option
+        _composed_ok(cls)
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        _check_trainer_options(self)
+        # Checked with or without offload: TrainingArguments rejects the pair too, but on a
+        # machine without a bf16 GPU its first message is "doesn't support bf16/gpu" instead.
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are both set: choose one (with --zero_offload it "
+                             "becomes the compute dtype), or neither for fp32")
+        said_off = self.zero_offload is False
+        fsdp_given = (self.fsdp, self.fsdp_config)  # TrainingArguments rewrites both
+        if self.zero_offload is None:
+            enabled = enabled_from_sources(default=None)  # None: no source says on or off
+            said_off, self.zero_offload = enabled is False, bool(enabled)
+        if self.zero_offload:
+            _check_args(self)
+        else:
+            _check_off(self, said_off)
+        super().__post_init__()
+        if self.zero_offload:
+            plugin = self.zero_offload_plugin()  # bad values fail here, before any model work
+            # The device the Trainer will pick, without setting up devices (that would start
+            # the distributed state from inside the arguments).
+            cuda = torch.cuda.is_available() and not self.use_cpu
+            plugin.check_device("cuda" if cuda else "cpu")
+            if self.fsdp:
+                _check_fsdp(self, *fsdp_given, plugin.torch_dtype)
+            try:  # the engine would refuse them inside train()
+                moment_format(plugin.state_dtype).check_betas(self.adam_beta1, self.adam_beta2)
+            except ValueError as err:
+                raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 "
+                                 f"{self.adam_beta2} with --zero_offload_state_dtype "
+                                 f"{plugin.state_dtype}: {err}") from None
+
+    def get_process_log_level(self) -> int:
+        # transformers.Trainer.__init__ calls this before it touches the model; for everyone
+        # else (scripts set up their logging with it) it is the ordinary method.
+        trainer = compat.trainer_being_built() if self.zero_offload else None
+        if trainer is not None and not getattr(trainer, OFFLOADS_ATTR, False):
             # Refused, not offloaded: offload is more than an optimizer swap (the clip route,
             # the fp16 scaler, the master weights saved, mixed precision done by the engine,
-            # no DDP wrapper: ZeroOffloadTrainer's overrides). Patching a stock Trainer from
-            # its arguments would do part of that, and a partial offload saves wrong weights.
+            # no DDP wrapper: ZeroOffloadTrainerMixin's overrides). Patching a stock Trainer
+            # from its arguments would do part of that, and a partial offload saves wrong
+            # weights.
             name = type(trainer).__name__
             raise ValueError(
-                f"{name} was given ZeroOffloadTrainingArguments with zero_offload=True, but "
-                f"{name} is not a ZeroOffloadTrainer and would train without offload. Use "
-                "hf_zoffload.ZeroOffloadTrainer (or a subclass of it), or zero_offload=False")
-    return TrainingArguments.get_process_log_level(self)
+                f"{name} was given {type(self).__name__} with zero_offload=True, but {name} is "
+                f"not a ZeRO-Offload trainer and would train without offload. Use "
+                f"hf_zoffload.zero_offload_trainer({name}) (hf_zoffload.ZeroOffloadTrainer for "
+                "transformers.Trainer), or zero_offload=False")
+        return super().get_process_log_level()
+
+    @property
+    def place_model_on_device(self) -> bool:
+        # FSDP2 parameter offload: the params stay on the host, where fully_shard keeps each
+        # rank's shard; FSDP2 copies a layer's to the device for its forward and backward.
+        if self.zero_offload and (self.fsdp or fsdp2.requested(None) is not None):
+            return False
+        return super().place_model_on_device
+
+    def zero_offload_plugin(self, model=None) -> ZeroOffloadPlugin:
+        """The engine settings: ``--zero_offload_*`` over HF_ZOFFLOAD_* over the yaml over the
+        defaults, with the compute dtype and the clip norm taken from the Trainer's own
+        options. Given the ``model`` to train, with no precision asked for anywhere, the
+        compute dtype is that of a model loaded in 16-bit (the stock Trainer trains it in its
+        dtype), else fp32."""
+        return _zero_offload_plugin(self, model)
+
+    def __reduce_ex__(self, protocol):
+        # A class made by zero_offload_args at run time has no importable name: pickled
+        # (training_args.bin, deepcopy) as its base class, which is, and remade from it.
+        base = _MADE.get(type(self))
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        return _remake, (base, self.__dict__.copy())
 
 
-# Generated from the plugin's fields so that a new knob is a new argument with no edit here;
-# module-level so that training_args.bin (a pickle) loads wherever hf_zoffload is installed.
-ZeroOffloadTrainingArguments = make_dataclass(
-    "ZeroOffloadTrainingArguments",
-    _argument_fields(),
-    bases=(TrainingArguments,),
-    namespace={
-        "__post_init__": _post_init,
-        "get_process_log_level": _get_process_log_level,
-        "zero_offload_plugin": _zero_offload_plugin,
-        "place_model_on_device": property(_place_model_on_device),
-        "__doc__": "TrainingArguments plus `zero_offload`, one `zero_offload_<knob>` per "
-                   "ZeroOffloadPlugin setting (None: taken from HF_ZOFFLOAD_*, the yaml, the "
-                   "default) and the Trainer's own `zero_offload_log_history_extras`. --fp16 "
-                   "/ --bf16 choose the compute dtype, --max_grad_norm the clip norm.",
-    },
-)
-# make_dataclass(module=) is 3.12+. Named by the module it is imported from, so that
-# training_args.bin files pickled before the arguments moved here still load.
+@functools.cache
+def _composed_ok(cls) -> None:
+    _check_composed(cls)
+
+
+def _remake(base, state):
+    obj = object.__new__(zero_offload_args(base))
+    obj.__dict__.update(state)
+    return obj
+
+
+_MADE: dict = {}  # class made by zero_offload_args -> its base, for those pickled by base
+
+
+@functools.cache
+def _make_args(cls):
+    made = make_dataclass(f"ZeroOffload{cls.__name__}", _argument_fields(),
+                          bases=(ZeroOffloadArgumentsMixin, cls),
+                          namespace={"__doc__": f"`{cls.__name__}` plus `zero_offload` and the "
+                                                "`zero_offload_<setting>` fields "
+                                                "(`zero_offload_args`)."})
+    made.__module__ = __name__
+    _MADE[made] = cls
+    return made
+
+
+def zero_offload_args(cls: type) -> type:
+    """``cls`` (`TrainingArguments` or a subclass, e.g. TRL's ``SFTConfig``) plus
+    ``zero_offload``, one ``zero_offload_<setting>`` per `ZeroOffloadPlugin` setting and the
+    Trainer's own options, as a dataclass whose ``__post_init__`` runs ``cls``'s through
+    ``super()``. `HfArgumentParser` parses it (``--zero_offload``, ``--zero_offload_<setting>``)
+    beside ``cls``'s own options. The same class for the same ``cls``; a class that has them
+    already is returned as it is. ``ZeroOffloadTrainingArguments`` is
+    ``zero_offload_args(TrainingArguments)``."""
+    if not (isinstance(cls, type) and issubclass(cls, TrainingArguments)):
+        raise TypeError(f"zero_offload_args takes TrainingArguments or a subclass of it (TRL's "
+                        f"SFTConfig, DPOConfig, ...), got {cls!r}")
+    if issubclass(cls, ZeroOffloadArgumentsMixin):
+        return cls
+    return _make_args(cls)
+
+
+# The one made here for transformers' own class: a module-level name, so that
+# training_args.bin (a pickle) loads wherever hf_zoffload is installed.
+ZeroOffloadTrainingArguments = _make_args(TrainingArguments)
+del _MADE[ZeroOffloadTrainingArguments]  # pickled by its name
+ZeroOffloadTrainingArguments.__doc__ = (
+    "TrainingArguments plus `zero_offload`, one `zero_offload_<knob>` per ZeroOffloadPlugin "
+    "setting (None: taken from HF_ZOFFLOAD_*, the yaml, the default) and the Trainer's own "
+    "`zero_offload_log_history_extras`. --fp16 / --bf16 choose the compute dtype, "
+    "--max_grad_norm the clip norm.")
+# Named by the module it is imported from, so that training_args.bin files pickled before
+# the arguments moved here still load.
 ZeroOffloadTrainingArguments.__module__ = "hf_zoffload.integrations.trainer"

@@ -147,11 +147,13 @@ def prepare_models(engine, models: Iterable[torch.nn.Module]) -> list[torch.nn.M
         # With the delayed update the last step's params land only at the next step: whatever
         # reads the model's weights (save_state, save_pretrained, get_state_dict, the
         # Trainer's checkpoints) lands them first. state_dict covers every save path. One
-        # hook per model, for its latest engine, held weakly: an engine replaced on the same
-        # model (the Trainer's out-of-memory retry) is neither kept alive nor flushed.
-        if model in _FLUSH_HOOKS:
-            _FLUSH_HOOKS[model].remove()
-        _FLUSH_HOOKS[model] = model.register_state_dict_pre_hook(_flusher(engine))
+        # set of hooks per model, for its latest engine, held weakly: an engine replaced on
+        # the same model (the Trainer's out-of-memory retry) is neither kept alive nor flushed.
+        for handle in _FLUSH_HOOKS.pop(model, ()):
+            handle.remove()
+        _FLUSH_HOOKS[model] = [model.register_state_dict_pre_hook(_flusher(engine))]
+        if engine.plugin.delayed_update:
+            _FLUSH_HOOKS[model] += _flush_before_inference(engine, model)
         if isinstance(model, PreTrainedModel) and "save_pretrained" not in vars(model):
             # Bound to this instance (a deepcopy rebinds it to the copy); the class is untouched.
             model.save_pretrained = types.MethodType(_save_pretrained, model)
@@ -182,14 +184,32 @@ def take_whole_tensors(model: torch.nn.Module) -> None:
     model.register_load_state_dict_pre_hook(whole_to_parts)
 
 
-def _flusher(engine):
+def _flusher(engine, *, only_without_grad: bool = False):
     ref = weakref.ref(engine)
 
     def flush(*_args, **_kw):
+        if only_without_grad and torch.is_grad_enabled():
+            return
         alive = ref()
-        if alive is not None and not alive.closed:
-            alive.flush()
+        if alive is None or alive.closed or (only_without_grad and not alive.update_in_flight):
+            return
+        alive.flush()
     return flush
+
+
+def _flush_before_inference(engine, model: torch.nn.Module) -> list:
+    """With the delayed update, a forward of ``model`` without grad (``generate``, as TRL's
+    GRPO and online trainers run with the model being trained; a log-prob pass; a callback's
+    evaluation) first lands the pending update, so that it computes on the params of the last
+    step taken; a training forward (grad enabled) keeps running on the params one step behind,
+    as the delayed update is meant to. The hooks sit on the model and on each module holding
+    the engine's params directly: a peft model's ``generate`` calls the inner model's forward,
+    not its own."""
+    ours = {id(p) for p in engine_params(engine)}
+    hook = _flusher(engine, only_without_grad=True)
+    modules = [model] + [m for m in model.modules() if m is not model and any(
+        id(p) in ours for p in m.parameters(recurse=False))]
+    return [m.register_forward_pre_hook(hook) for m in modules]
 
 
 # --------------------------------------------------------------------------- saving

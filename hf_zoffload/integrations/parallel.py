@@ -15,7 +15,7 @@ what the integrations add is the setup around it:
   ``parallelize_module``) must match ``tp_size``; a whole one (built from a config, or
   loaded whole) is sharded here over the accelerator's ``tp`` mesh dim with the model's own
   plan (transformers' ``apply_tensor_parallelism``, the rules ``tp_plan="auto"`` applies;
-  both forms of that API, before and since transformers 5.23, are taken: see below).
+  both forms of that API, before and since transformers 5.23, are taken: compat.py).
   Each rank keeps its part of its own copy, so every rank must hold the same weights: the
   same seed or the same checkpoint. That is checked (one all-reduce of per-param sums).
 - checkpoints: the integrations save whole tensors (core.py); the model's
@@ -25,7 +25,6 @@ what the integrations add is the setup around it:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 
 import accelerate
@@ -36,24 +35,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from . import core
-
-try:
-    # transformers.distributed.tensor_parallel is new in 5.16.0 (5.15 and before have
-    # another API, in transformers.integrations.tensor_parallel), transformers'
-    # DistributedConfig in 5.16.1 (before, only transformers.distributed's). In 5.16
-    # to 5.24 replace_layer_number_by_wildcard can be imported from
-    # transformers.distributed.tensor_parallel (defined there until 5.22, imported there
-    # from transformers.distributed.parallel_utils in 5.23 and 5.24).
-    from transformers import DistributedConfig
-    from transformers.distributed.tensor_parallel import (
-        apply_tensor_parallelism,
-        replace_layer_number_by_wildcard,
-    )
-except ImportError as e:
-    raise ImportError(f"hf_zoffload needs transformers>=5.17 (its DistributedConfig and "
-                      f"transformers.distributed.tensor_parallel); transformers "
-                      f"{transformers.__version__} is installed") from e
+from . import compat, core
 
 __all__ = ["ParallelismConfig", "parallelism_config", "parallel_sizes", "model_tp_size",
            "tp_plan", "shard_model", "setup", "data_parallel_group"]
@@ -158,61 +140,6 @@ def _check_same_weights(model, mesh) -> None:
                          "checkpoint, before it is sharded")
 
 
-# transformers' tensor-parallel API comes in two forms (read in the released wheels):
-# - 5.23 and later: the model's `_resolve_parallel_plans(DistributedConfig)` returns its plans
-#   with the layer numbers filled in (one rule per module and per param name), and
-#   `apply_tensor_parallelism(model, tp_mesh, tp_plan)` requires that plan: it looks each
-#   name up as it is, a rule with a `*` names nothing.
-# - 5.16 to 5.22 (5.17 tested): no `_resolve_parallel_plans`; `apply_tensor_parallelism(model,
-#   tp_mesh)` reads `model.tp_plan` (rules with `*` for the layer numbers) and shards each
-#   param whose name, or whose module's name, matches a rule with its layer numbers read as
-#   `*`, and hooks each module whose name matches one. 5.19 to 5.22 take such a plan as an
-#   optional third argument and have a module-level `resolve_parallel_plans` returning them.
-# The form is told by what the installed transformers has, one function per difference.
-
-def _resolved_plan(model: PreTrainedModel, tp: int) -> dict[str, str]:
-    """``model``'s tensor-parallel plan for ``tp`` ranks, one rule per module or param name."""
-    resolve = getattr(model, "_resolve_parallel_plans", None)
-    if resolve is not None:  # 5.23 and later
-        plan, _, _ = resolve(DistributedConfig(tp_size=tp))
-        return plan
-    return _expand_plan(model, model.tp_plan)  # 5.22 and before
-
-
-def _expand_plan(model: torch.nn.Module, rules: dict[str, str]) -> dict[str, str]:
-    """``rules`` (names with ``*`` for the layer numbers) as the modules and params they name
-    in ``model`` (what transformers 5.22 and before shard and hook by them): a module's params
-    first (its rule, or their own), then the module."""
-    plan = {}
-    for module_name, module in model.named_modules():
-        module_rule = rules.get(replace_layer_number_by_wildcard(module_name))
-        for param_name, _ in module.named_parameters(recurse=False):
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            rule = rules.get(replace_layer_number_by_wildcard(name), module_rule)
-            if rule is not None:
-                plan[name] = rule
-        if module_rule is not None:
-            plan[module_name] = module_rule
-    return plan
-
-
-def _plan_is_an_argument() -> bool:
-    # 5.23 and later: the plan is apply_tensor_parallelism's required third parameter; 5.19 to
-    # 5.22 have an optional one that takes rules with `*` (the resolved plan would name
-    # nothing there), 5.16 to 5.18 none.
-    params = list(inspect.signature(apply_tensor_parallelism).parameters.values())
-    return len(params) >= 3 and params[2].default is inspect.Parameter.empty
-
-
-def _apply_plan(model: PreTrainedModel, mesh, plan: dict[str, str]) -> None:
-    """Shard ``model`` over ``mesh`` by ``plan`` (`_resolved_plan`'s), with transformers'
-    apply_tensor_parallelism."""
-    if _plan_is_an_argument():
-        apply_tensor_parallelism(model, mesh, plan)
-    else:  # it reads model.tp_plan, whose expansion `plan` is
-        apply_tensor_parallelism(model, mesh)
-
-
 def tp_plan(model: torch.nn.Module, tp: int) -> dict[str, str]:
     """``model``'s transformers tensor-parallel plan for ``tp`` ranks, one rule per module or
     param; raises (no collective, nothing changed) for a model that cannot be sharded so."""
@@ -224,7 +151,7 @@ def tp_plan(model: torch.nn.Module, tp: int) -> dict[str, str]:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in "
                          "transformers: train a model that has one (Llama, Mistral, Qwen2, "
                          "...) or use tp_size=1")
-    plan = _resolved_plan(model, tp)
+    plan = compat.resolved_plan(model, tp)
     _check_heads(model, tp)
     _check_tied(model, plan)
     return plan
@@ -237,7 +164,7 @@ def shard_model(model: torch.nn.Module, mesh) -> dict[int, torch.nn.Parameter]:
     plan = tp_plan(model, mesh.size())
     _check_same_weights(model, mesh)
     before = dict(model.named_parameters())
-    _apply_plan(model, mesh, plan)
+    compat.apply_plan(model, mesh, plan)
     after = dict(model.named_parameters())
     replaced = {n for n, p in before.items() if after[n] is not p}
     # The checks above read `plan`; transformers 5.22 and before shard by their own reading of

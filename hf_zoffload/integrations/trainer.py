@@ -1,22 +1,41 @@
-"""ZeRO-Offload for `transformers.Trainer` users: one argument, ``zero_offload=True``.
+"""ZeRO-Offload for `transformers.Trainer` users, and for any Trainer subclass (TRL's
+``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ...): one argument, ``zero_offload=True``.
 
-`ZeroOffloadTrainingArguments` (arguments.py) adds ``--zero_offload`` and one
-``--zero_offload_<knob>`` per `ZeroOffloadPlugin` setting; `ZeroOffloadTrainer` builds the
-offload engine in place of the Trainer's AdamW. With ``zero_offload`` off the Trainer is the
-stock one: every override below hands straight to `Trainer`.
+`zero_offload_args` (arguments.py) adds ``--zero_offload`` and one ``--zero_offload_<knob>``
+per `ZeroOffloadPlugin` setting to an argument class; `zero_offload_trainer` puts
+`ZeroOffloadTrainerMixin` in front of a Trainer class, which then builds the offload engine in
+place of the Trainer's AdamW. ``ZeroOffloadTrainingArguments`` / ``ZeroOffloadTrainer`` are the
+two applied to `TrainingArguments` / `Trainer`. The mixin's methods reach the class behind it
+through ``super()``, so a subclass's own overrides run as they do without offload, in either
+order of the bases. With ``zero_offload`` off the Trainer is the stock one: every override hands
+straight to the class behind it.
 
-How the engine is wired into the Trainer's loop (transformers 5.x, accelerate 1.x); the
-wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.core`:
+How the engine is wired into the Trainer's loop (transformers 5.17-5.24, accelerate 1.x): the
+checks and set-up shared with `prepare_zero_offload` are an `OffloadPlan` (plan.py), made when
+the accelerator exists; the private Trainer methods taken part in are `compat.TrainerInternals`:
+
+- Arguments: `__new__` checks what the trainer is given before any ``__init__`` of the class
+  runs (a TRL trainer's ``__init__`` converts or reads its arguments first): a trainer whose
+  ``args`` must be its own config class (``SFTConfig``, ...) refuses arguments that are not
+  one, naming ``zero_offload_args(SFTConfig)``; with offload, ``optimizers=`` /
+  ``optimizer_cls_and_kwargs=``, several GPUs in one process and ``--auto_find_batch_size``
+  where its retry cannot work are refused.
 
 - Optimizer: `create_optimizer` (the documented override point) builds the engine over the
   Trainer's decay / no-decay groups and wraps it in `core.OffloadedOptimizer`, an
   `AcceleratedOptimizer` already marked prepared, so ``accelerator.prepare`` registers it as is:
   the stock wrapper would copy the host state to the device (12 B/param, what offload exists to
   avoid) and patch ``step`` for a torch GradScaler we do not use.
+- Compute dtype: ``--fp16`` / ``--bf16`` (or accelerate's mixed precision); neither, the
+  trained params' dtype for a model loaded in 16-bit (the stock Trainer trains it in its
+  dtype), else fp32.
 - Frozen params: float params without ``requires_grad`` are cast to the compute dtype too
   (`core.prepare_models`), or a partly frozen (LoRA-style) model would mix dtypes in its matmuls;
   others (a quantized base's integer codes) are left as they are. A peft model saves its
   adapter (peft's ``save_pretrained`` keeps the adapter's entries of the masters' dict).
+  Models the engine does not train (DPO's reference model, a reward model) are left alone.
+- Generation: with the delayed update, a forward without grad through the trained model
+  (``generate``, a log-prob pass) first lands the pending update (`core.prepare_models`).
 - Loss scale: the engine's `DynamicLossScaler` becomes ``accelerator.scaler`` (fp16 only), so
   ``accelerator.backward`` scales the loss. Its state is saved inside ``optimizer.pt`` (the
   engine's ``state_dict``), not as ``scaler.pt``: the stock Trainer loads a ``scaler.pt`` into
@@ -33,7 +52,8 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 - Clipping and ``grad_norm``: the Trainer clips through ``accelerator.clip_grad_norm_``, which
   sees no ``.grad`` once the hooks have streamed them to the host. That method is patched on
   this Trainer's accelerator only (`core.install`), to the engine's ``clip_grad_norm_``
-  (unscaled global norm).
+  (unscaled global norm): the Trainer's clip call is private (5.24 ``_clip_grad_norm``, inline
+  in 5.17's loop), the accelerator's method is what both call.
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
 - Replaced or reloaded under the Trainer: an ``auto_find_batch_size`` retry rebuilds the engine
@@ -42,10 +62,10 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
   (`_load_best_model`).
 - Tensor parallelism: ``parallelism_config`` (``tp_size``, and ``dp_shard_size`` for data
   parallelism over the other ranks), from the arguments or from a model sharded at load
-  time. A whole model is sharded
-  with its transformers plan before it is placed (`create_accelerator_and_postprocess`,
-  `call_model_init`); accelerate's data loader gives the tensor-parallel ranks the same
-  batches; the engine trains the local shards and averages over the data-parallel group;
+  time. A whole model is sharded with its transformers plan before it is placed
+  (`create_accelerator_and_postprocess`, `call_model_init`, `OffloadPlan.place`); accelerate's
+  data loader gives the tensor-parallel ranks the same batches; the engine trains the local
+  shards and averages over the data-parallel group;
   checkpoints and saved weights are gathered whole (integrations/parallel.py).
 - FSDP2 parameter offload: ``--fsdp "full_shard offload"`` (or ``fsdp_config`` with version 2
   and ``cpu_offload``; accelerate launch's FSDP environment): the plugin is taken out of the
@@ -63,6 +83,7 @@ wiring shared with `prepare_zero_offload` lives in `hf_zoffload.integrations.cor
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -73,21 +94,26 @@ import zipfile
 
 import torch
 from safetensors import SafetensorError
-from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
-from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
-from . import completeness, core, fsdp2, parallel
-from .arguments import ALLOWED_OPTIMS, ZeroOffloadTrainingArguments, check_argv
+from . import compat, completeness, core, fsdp2, parallel
+from .arguments import (
+    ALLOWED_OPTIMS,
+    ZeroOffloadArgumentsMixin,
+    ZeroOffloadTrainingArguments,
+    check_argv,
+    zero_offload_args,
+)
+from .plan import TRAINER, make_plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ALLOWED_OPTIMS",
-           "check_argv"]
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadTrainer", "ZeroOffloadTrainerMixin",
+           "zero_offload_trainer", "zero_offload_args", "ALLOWED_OPTIMS", "check_argv"]
 
 _MULTI_DEVICE = "torch.nn.DataParallel is not supported"
 
@@ -125,141 +151,119 @@ class _MemoryReport(TrainerCallback):
             self.trainer.engine.flush()
 
 
+# --------------------------------------------------------------------------- what it is given
+def _given(cls, args, kwargs) -> dict | None:
+    """The arguments of ``cls(*args, **kwargs)`` by name, read against the first ``__init__``
+    behind the mixin that names an ``args`` parameter (a TRL trainer's own, or Trainer's);
+    None where they do not bind (its own ``__init__`` then raises the TypeError)."""
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is ZeroOffloadTrainerMixin:
+            continue
+        sig = inspect.signature(init)
+        if "args" not in sig.parameters:
+            continue  # a pass-through (*args, **kwargs), e.g. TRL's _BaseTrainer
+        try:
+            bound = sig.bind(None, *args, **kwargs).arguments
+        except TypeError:
+            return None
+        for name, p in sig.parameters.items():  # a subclass's **kwargs hold Trainer's names
+            if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound:
+                bound = {**bound.pop(name), **bound}
+        return bound
+    return None
+
+
+def _config_class(cls) -> type | None:
+    """The argument class ``cls``'s ``__init__`` requires, read from the annotation of its
+    ``args`` parameter (TRL's ``args: SFTConfig | TrainingArguments | None``): the one
+    `TrainingArguments` subclass named there, or None (any TrainingArguments)."""
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is ZeroOffloadTrainerMixin:
+            continue
+        param = inspect.signature(init).parameters.get("args")
+        if param is None:
+            continue
+        hint = param.annotation
+        if isinstance(hint, str):  # postponed annotations: resolved in the module that wrote it
+            try:
+                hint = eval(hint, vars(inspect.getmodule(init)))  # noqa: S307 (its own source)
+            except Exception:  # noqa: BLE001 (a name not importable there: no requirement)
+                return None
+        named = [t for t in getattr(hint, "__args__", (hint,)) if isinstance(t, type)
+                 and issubclass(t, TrainingArguments) and t is not TrainingArguments]
+        return named[0] if len(named) == 1 else None
+    return None
+
+
 # --------------------------------------------------------------------------- trainer
-class ZeroOffloadTrainer(Trainer):
-    """`Trainer` that, with ``args.zero_offload``, trains through the ZeRO-Offload engine."""
+class ZeroOffloadTrainerMixin(compat.TrainerInternals):
+    """In front of a `Trainer` class (`zero_offload_trainer`): with ``args.zero_offload``, it
+    trains through the ZeRO-Offload engine; without, it is the class behind it."""
 
     # ZeroOffloadTrainingArguments(zero_offload=True) refuse any Trainer without it
-    # (arguments.py, `_get_process_log_level`): only this class builds the engine.
+    # (arguments.py, `get_process_log_level`): only this mixin builds the engine.
     builds_zero_offload_engine = True
-    _fsdp_plugin = None  # accelerate's FSDP2 plugin, applied by `create_optimizer` (fsdp2.py)
+    _fsdp_plugin = None  # accelerate's FSDP2 plugin, taken from its arguments (fsdp2.py)
+    _plan = None  # the OffloadPlan, made once the accelerator exists
+
+    def __new__(cls, *args, **kwargs):
+        _check_given(cls, _given(cls, args, kwargs))
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
-        targs = bound.get("args")
-        if getattr(targs, "zero_offload", False):
-            given = [name for name, unset in (("optimizers", (None, None)),
-                                              ("optimizer_cls_and_kwargs", None))
-                     if bound.get(name, unset) not in (unset, None)]
-            if given:
-                given = "=, ".join(given) + "="
-                raise ValueError(f"zero_offload=True builds its own optimizer and scheduler: "
-                                 f"do not pass {given} to ZeroOffloadTrainer (set the "
-                                 "learning rate and schedule in the arguments instead)")
-            if targs.n_gpu > 1:
-                raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
-                                 f"({_MULTI_DEVICE}); launch one process per GPU with "
-                                 "torchrun, accelerate launch or hf-zoffload launch")
-            model = bound.get("model")
-            sharded = isinstance(model, torch.nn.Module) and fsdp2.is_sharded(model)
-            if targs.auto_find_batch_size and (targs.fsdp or sharded):
-                # the retry rebuilds the engine, which FSDP2 refuses after its first forward
-                what = "--fsdp" if targs.fsdp else "a model sharded by fully_shard"
-                raise ValueError(f"--auto_find_batch_size with --zero_offload and {what}: the "
-                                 "retry would rebuild the optimizer after FSDP2's first forward."
-                                 " Find the batch size without FSDP2, then set "
-                                 "--per_device_train_batch_size")
-            if targs.auto_find_batch_size and targs.world_size > 1:
-                # An out-of-memory error is one rank's: its retry would leave the other ranks
-                # waiting in the engine's collectives (`_inner_training_loop`).
-                raise ValueError(f"--auto_find_batch_size with --zero_offload and "
-                                 f"{targs.world_size} processes: the ranks would retry apart. "
-                                 "Find the batch size in one process, then set "
-                                 "--per_device_train_batch_size")
         super().__init__(*args, **kwargs)
         if not self.zero_offload:
             return
-        # With several processes the engine reduce-scatters the gradients itself; a DDP
-        # wrapper would all-reduce them a second time and keep a full gradient copy on the
-        # device. evaluation_mode=True is accelerate's way to prepare a model unwrapped.
+        # No DDP wrapper around the trained model (plan.prepare_unwrapped): the Trainer
+        # prepares it through this accelerator's prepare_model, which has no public option
+        # for it; replaced on this instance only.
         prepare_model = self.accelerator.prepare_model
         self.accelerator.prepare_model = (
             lambda model, device_placement=None, evaluation_mode=False: prepare_model(
                 model, device_placement=device_placement, evaluation_mode=True))
-        if self.is_deepspeed_enabled:
-            raise ValueError("zero_offload=True and a DeepSpeed accelerate config cannot be "
-                             "combined; launch without DeepSpeed")
         self._memory_logged, self._memory_figures = False, None
         self.add_callback(_MemoryReport(self))
         core.show_info_logs(main_process=self.args.should_log)  # the report at default levels
-
-    # A model sharded at load time (from_pretrained(..., tp_plan="auto") or DistributedConfig)
-    # makes the stock Trainer refuse optimizer checkpoints, average the gradients of its plain
-    # params in a hook of its own (which would find them already taken by the engine's) and
-    # keep every rank in `_save`. With offload the engine reduces the gradients, and the
-    # optimizer state and saved weights are gathered whole (`save_model`,
-    # `_save_optimizer_and_scheduler`): such a model is trained as one sharded here.
-    @property
-    def is_distributed_loading_by_transformers(self) -> bool:
-        return getattr(self, "_sharded_at_load", False) and not self.zero_offload
-
-    @is_distributed_loading_by_transformers.setter
-    def is_distributed_loading_by_transformers(self, value: bool) -> None:
-        self._sharded_at_load = bool(value)
 
     @property
     def zero_offload(self) -> bool:
         return bool(getattr(self.args, "zero_offload", False))
 
     # Tensor parallelism (parallelism_config with tp_size > 1, from TrainingArguments or the
-    # environment accelerate reads): a whole model is sharded with its
-    # tensor-parallel plan once the accelerator's device mesh exists and before it is placed
-    # on the device, so that no device holds it whole (integrations/parallel.py).
+    # environment accelerate reads): a whole model is sharded with its tensor-parallel plan
+    # once the accelerator's device mesh exists and before it is placed on the device, so that
+    # no device holds it whole (integrations/parallel.py).
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if not self.zero_offload:
             return
-        tp, _ = parallel.parallel_sizes(self.accelerator.parallelism_config,
-                                        self.accelerator.num_processes)
-        if tp > 1 and self.args.save_on_each_node:
-            raise ValueError("zero_offload=True with tensor parallelism saves on the first rank "
-                             "only (the weights and optimizer state are gathered there): drop "
-                             "--save_on_each_node")
-        # FSDP2 parameter offload: the plugin (--fsdp / fsdp_config, or accelerate launch's
-        # FSDP environment) is applied when the optimizer is created; accelerate runs as
-        # plain data parallel on GPU processes too, as it does on CPU ones (fsdp2.py).
-        self._fsdp_plugin = fsdp2.requested(self.accelerator, self._fsdp_plugin)
-        if self._fsdp_plugin is not None:
-            fsdp2.check(self._fsdp_plugin, dtype=self.args.zero_offload_plugin().torch_dtype,
-                        tp=tp, replicas=getattr(self.accelerator.parallelism_config,
-                                                "dp_replicate_size", 1))
-            fsdp2.leave_fsdp_mode(self.accelerator)
+        # The checks shared with prepare_zero_offload, before the model is touched; FSDP2
+        # parameter offload: the plugin (--fsdp / fsdp_config, or accelerate launch's FSDP
+        # environment) is applied when the optimizer is created; accelerate runs as plain
+        # data parallel on GPU processes too, as it does on CPU ones (fsdp2.py).
+        self._plan = make_plan(self.accelerator, front=TRAINER, fsdp_plugin=self._fsdp_plugin,
+                               save_on_each_node=self.args.save_on_each_node,
+                               dtype=self.args.zero_offload_plugin().torch_dtype)
+        self._plan.enter(self.accelerator)
+        if self._plan.fsdp is not None:
             self.is_fsdp_enabled = False
         if self.model is not None:
-            self._shard(self.model)
+            self._plan.place(self.accelerator, self.model)
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if self.zero_offload:
-            self._shard(model)
+            self._plan.place(self.accelerator, model)
         return model
 
-    def _shard(self, model) -> None:
-        check_model(model)
-        if not fsdp2.is_sharded(model):
-            parallel.setup(self.accelerator, model)
-            return
-        # A model sharded by hand (fully_shard with CPUOffloadPolicy): trained as --fsdp's,
-        # the engine's FSDP2 mode refusing what it cannot train when it is built.
-        if self._fsdp_plugin is not None:
-            raise ValueError("the model is sharded by fully_shard already and --fsdp (or "
-                             "accelerate's FSDP config) asks to shard it: pass one of them")
-        tp, _ = parallel.parallel_sizes(self.accelerator.parallelism_config,
-                                        self.accelerator.num_processes)
-        if tp > 1:
-            raise ValueError(f"a model sharded by fully_shard with tensor parallelism "
-                             f"(tp_size={tp}): use one of them")
-        core.take_whole_tensors(model)  # a checkpoint to resume from loads before the engine
-
-    def _move_model_to_device(self, model, device) -> None:
+    def _zo_keeps_on_host(self, model) -> bool:
         # FSDP2 keeps each rank's shard on the host (CPUOffloadPolicy) and copies a layer's
         # to the device for its forward and backward; .to(device) would move the shards.
-        if self.zero_offload and fsdp2.is_sharded(model):
-            return None
-        return super()._move_model_to_device(model, device)
+        return self.zero_offload and fsdp2.is_sharded(model)
 
-    def _build_accelerator_args(self, **kwargs):
-        out = super()._build_accelerator_args(**kwargs)
+    def _zo_accelerator_args(self, out: dict) -> dict:
         if self.zero_offload:
             out["mixed_precision"] = "no"  # the engine does mixed precision (module docstring)
             # applied by ZeRO-Offload when the optimizer is created (fsdp2.py)
@@ -280,8 +284,8 @@ class ZeroOffloadTrainer(Trainer):
             return super().create_optimizer(model)
         if self.optimizer is None:
             opt_model = self.model if model is None else model
-            if self._fsdp_plugin is not None:  # before the groups: it replaces the params
-                fsdp2.shard(self.accelerator, opt_model, self._fsdp_plugin)
+            # before the groups: it replaces the params
+            self._plan.shard(self.accelerator, opt_model)
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [
@@ -292,7 +296,8 @@ class ZeroOffloadTrainer(Trainer):
             engine = ZeroOffloadOptimizer(
                 [g for g in groups if g["params"]], lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                weight_decay=self.args.weight_decay, plugin=self.args.zero_offload_plugin(),
+                weight_decay=self.args.weight_decay,
+                plugin=self.args.zero_offload_plugin(opt_model),
                 model=opt_model,  # buckets by layer, not by group; per-module upload waits
                 # tensor x data parallel: the ranks whose batches differ (None: the world)
                 process_group=parallel.data_parallel_group(self.accelerator))
@@ -300,28 +305,27 @@ class ZeroOffloadTrainer(Trainer):
             # clips (and reads grad_norm) through accelerator.clip_grad_norm_(
             # model.parameters(), ...); the grads are on the host by then. replace: with
             # model_init, each train() re-creates the optimizer on the same accelerator.
-            core.install(self.accelerator, engine, replace=True)
             # Frozen float params join the compute dtype; reading the weights (saving,
             # evaluating, the end of training) first lands a pending delayed update.
-            core.prepare_models(engine, [opt_model])
-            self.optimizer = core.OffloadedOptimizer(engine)
+            self.optimizer = self._plan.wire(self.accelerator, engine, [opt_model],
+                                             replace=True)
         return self.optimizer
 
     # A checkpoint is whole once its marker is there, written last (completeness.py says
     # what the check before a resume verifies, and why it is needed).
     COMPLETE_NAME = completeness.COMPLETE_NAME
 
-    def _save_checkpoint(self, model, trial) -> None:
+    def _zo_save_checkpoint(self, stock, trial) -> None:
         if not self.zero_offload:
-            return super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial),
-                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            return stock()
+        folder = compat.checkpoint_folder(self, trial)
         if self.args.should_save:
             completeness.remove_marker(folder)
-        super()._save_checkpoint(model, trial)
+        stock()
         self.accelerator.wait_for_everyone()  # every rank's rng_state_<rank>.pth is written
         if self.args.should_save:
             completeness.write_marker(folder, model_only=self.args.save_only_model)
+        return None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._attempts = 0  # of `_inner_training_loop` in this call (auto_find_batch_size)
@@ -354,11 +358,11 @@ class ZeroOffloadTrainer(Trainer):
                          + "; ".join(f"{c} is incomplete ({w})" for c, w in skipped)
                          + ". Start without resuming, or delete the broken checkpoints")
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+    def _zo_load_from_checkpoint(self, stock, resume_from_checkpoint) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
         if not self.zero_offload or not os.path.isdir(ckpt):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return stock()
         why = completeness.why_incomplete(ckpt)
         if why:
             parent = os.path.dirname(os.path.abspath(ckpt))
@@ -373,34 +377,35 @@ class ZeroOffloadTrainer(Trainer):
         what = files[0] if len(files) == 1 else f"the weights ({', '.join(files)})" if files \
             else "the weights"
         with _loading(ckpt, what):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return stock()
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def _zo_save_optimizer(self, stock) -> None:
         # The Trainer calls optimizer.state_dict() on the saving rank only; with N ranks the
         # engine's state_dict is a gather every rank must enter, so all ranks gather here.
         if self.engine is not None:  # one process: a no-op
             self.engine.consolidate_state_dict()
-        super()._save_optimizer_and_scheduler(output_dir)
+        return stock()
 
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+    def _zo_load_optimizer(self, stock, checkpoint) -> None:
         if self.engine is None or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return stock()
         # The stock path maps optimizer.pt onto each GPU when world_size > 1 (~16 B/param of
         # fp32 state per GPU, the very memory offload saves); the engine copies into host
         # buffers anyway, so read it on the CPU, memory-mapped.
-        opt_path = os.path.join(checkpoint, OPTIMIZER_NAME)
-        sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
+        opt_path = os.path.join(checkpoint, compat.OPTIMIZER_NAME)
+        sched_path = os.path.join(checkpoint, compat.SCHEDULER_NAME)
         if not (os.path.isfile(opt_path) and os.path.isfile(sched_path)):
             return None
         # Both read before either is applied: a file that fails to load changes nothing.
-        with _loading(checkpoint, OPTIMIZER_NAME):
+        with _loading(checkpoint, compat.OPTIMIZER_NAME):
             opt_state = torch.load(opt_path, map_location="cpu", weights_only=True, mmap=True)
-        with warnings.catch_warnings(record=True) as caught, _loading(checkpoint, SCHEDULER_NAME):
+        with warnings.catch_warnings(record=True) as caught, \
+                _loading(checkpoint, compat.SCHEDULER_NAME):
             sched_state = torch.load(sched_path, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(opt_state)
         with warnings.catch_warnings(record=True) as caught_too:
             self.lr_scheduler.load_state_dict(sched_state)
-        reissue_pt_warnings(caught + caught_too)
+        compat.reissue_pt_warnings(caught + caught_too)
         return None
 
     # ------------------------------------------------- saved weights and the loss scale
@@ -416,25 +421,25 @@ class ZeroOffloadTrainer(Trainer):
         finally:
             self._master_weights = None
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    def _zo_saved_weights(self, state_dict: dict | None) -> dict | None:
+        """What `_save` writes: the fp32 masters `save_model` gathered, unless a caller gave
+        its own dict."""
         masters = getattr(self, "_master_weights", None)
-        if state_dict is None and masters is not None:
-            state_dict = masters
-        return super()._save(output_dir, state_dict=state_dict)
+        return masters if state_dict is None and masters is not None else state_dict
 
-    def _save_scaler(self, output_dir: str) -> None:
+    def _zo_save_scaler(self, stock) -> None:
         if self.engine is None:
-            return super()._save_scaler(output_dir)
+            return stock()
         return None  # the loss scaler's state is in optimizer.pt (module docstring)
 
-    def _load_scaler(self, checkpoint: str | None) -> None:
+    def _zo_load_scaler(self, stock, checkpoint) -> None:
         engine = self.engine
         if engine is None or checkpoint is None:
-            return super()._load_scaler(checkpoint)
-        path = os.path.join(checkpoint, SCALER_NAME)
+            return stock()
+        path = os.path.join(checkpoint, compat.SCALER_NAME)
         if not os.path.isfile(path):
             return None
-        with _loading(checkpoint, SCALER_NAME):
+        with _loading(checkpoint, compat.SCALER_NAME):
             state = torch.load(path, map_location="cpu", weights_only=True)
         if not engine.loss_scaler.is_enabled():
             logger.info("%s: the checkpoint's fp16 loss scale is not used by this %s run",
@@ -449,7 +454,7 @@ class ZeroOffloadTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     # ------------------------------------------------- auto_find_batch_size, the best model
-    def _inner_training_loop(self, batch_size=None, *args, **kwargs):
+    def _zo_before_training_loop(self, batch_size) -> None:
         # A second attempt in one train() is auto_find_batch_size's retry with a smaller batch
         # after an out-of-memory error, which may have come in the middle of a backward or a
         # step. The Trainer keeps its optimizer for the retry (transformers 5.17-5.24:
@@ -470,12 +475,11 @@ class ZeroOffloadTrainer(Trainer):
             engine.load_master_state_dict(self.model, masters)  # fp32, not the 16-bit params
             logger.info("ZeRO-Offload: the optimizer was rebuilt for the retry with batch "
                         "size %s", batch_size)
-        return super()._inner_training_loop(batch_size, *args, **kwargs)
 
-    def _load_best_model(self) -> None:
+    def _zo_load_best_model(self, stock) -> None:
         engine = self.engine
         if engine is None:
-            return super()._load_best_model()
+            return stock()
         # The stock load puts the checkpoint's weights (the fp32 masters) into the 16-bit
         # params; the masters take them too, before rounding, so that training or saving
         # after it starts from the best checkpoint itself. The pending delayed update lands
@@ -493,7 +497,7 @@ class ZeroOffloadTrainer(Trainer):
         handles = (self.model.register_load_state_dict_pre_hook(before),
                    self.model.register_load_state_dict_post_hook(after))
         try:
-            return super()._load_best_model()
+            return stock()
         finally:
             for h in handles:
                 h.remove()
@@ -549,3 +553,75 @@ class ZeroOffloadTrainer(Trainer):
             "offload_device_mib": round(report["device_total"] / 2**20, 3),
             "offload_host_mib": round(report["host_total"] / 2**20, 3),
             "plain_adamw_device_mib": round(report["plain_adamw_device_total"] / 2**20, 3)}
+
+
+def _check_given(cls, bound: dict | None) -> None:
+    """What ``cls(...)`` is given, checked before any ``__init__`` of ``cls`` runs."""
+    if bound is None:
+        return  # they do not bind: the class's own __init__ raises its TypeError
+    targs = bound.get("args")
+    config = _config_class(cls)
+    if isinstance(targs, ZeroOffloadArgumentsMixin) and config is not None \
+            and not isinstance(targs, config):
+        # e.g. SFTTrainer rebuilds arguments that are not an SFTConfig as SFTConfig(
+        # **args.to_dict()), which knows no zero_offload option.
+        raise ValueError(f"{cls.__name__} takes {config.__name__} arguments, not "
+                         f"{type(targs).__name__}: build them with hf_zoffload."
+                         f"zero_offload_args({config.__name__})(..., zero_offload=True)")
+    if not getattr(targs, "zero_offload", False):
+        return
+    given = [name for name, unset in (("optimizers", (None, None)),
+                                      ("optimizer_cls_and_kwargs", None))
+             if bound.get(name, unset) not in (unset, None)]
+    if given:
+        given = "=, ".join(given) + "="
+        raise ValueError(f"zero_offload=True builds its own optimizer and scheduler: do not "
+                         f"pass {given} to {cls.__name__} (set the learning rate and schedule "
+                         "in the arguments instead)")
+    if targs.n_gpu > 1:
+        raise ValueError(f"zero_offload=True with {targs.n_gpu} GPUs in one process "
+                         f"({_MULTI_DEVICE}); launch one process per GPU with "
+                         "torchrun, accelerate launch or hf-zoffload launch")
+    model = bound.get("model")
+    sharded = isinstance(model, torch.nn.Module) and fsdp2.is_sharded(model)
+    if targs.auto_find_batch_size and (targs.fsdp or sharded):
+        # the retry rebuilds the engine, which FSDP2 refuses after its first forward
+        what = "--fsdp" if targs.fsdp else "a model sharded by fully_shard"
+        raise ValueError(f"--auto_find_batch_size with --zero_offload and {what}: the "
+                         "retry would rebuild the optimizer after FSDP2's first forward."
+                         " Find the batch size without FSDP2, then set "
+                         "--per_device_train_batch_size")
+    if targs.auto_find_batch_size and targs.world_size > 1:
+        # An out-of-memory error is one rank's: its retry would leave the other ranks
+        # waiting in the engine's collectives (`_inner_training_loop`).
+        raise ValueError(f"--auto_find_batch_size with --zero_offload and "
+                         f"{targs.world_size} processes: the ranks would retry apart. "
+                         "Find the batch size in one process, then set "
+                         "--per_device_train_batch_size")
+
+
+@functools.cache
+def _make_trainer(cls):
+    return type(f"ZeroOffload{cls.__name__}", (ZeroOffloadTrainerMixin, cls), {
+        "__module__": __name__,
+        "__doc__": f"`{cls.__name__}` that, with ``args.zero_offload``, trains through the "
+                   "ZeRO-Offload engine (`zero_offload_trainer`)."})
+
+
+def zero_offload_trainer(cls: type) -> type:
+    """``cls`` (`transformers.Trainer` or any subclass: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer``, ...) with `ZeroOffloadTrainerMixin` in front: given arguments with
+    ``zero_offload=True`` (`zero_offload_args` of the class's own argument class) it trains
+    through the ZeRO-Offload engine, taking ``cls``'s own keywords as they are. The same class
+    for the same ``cls``; a class that has the mixin already is returned as it is."""
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise TypeError(f"zero_offload_trainer takes transformers.Trainer or a subclass of it, "
+                        f"got {cls!r}")
+    if issubclass(cls, ZeroOffloadTrainerMixin):
+        return cls
+    return _make_trainer(cls)
+
+
+ZeroOffloadTrainer = _make_trainer(Trainer)
+ZeroOffloadTrainer.__doc__ = ("`Trainer` that, with ``args.zero_offload``, trains through the "
+                              "ZeRO-Offload engine: ``zero_offload_trainer(Trainer)``.")

@@ -119,6 +119,20 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
 
     fused_loss_scaling = True  # the scaler protocol: we unscale and check inside step()
 
+    @property
+    def _is_accelerate_prepared(self):
+        # accelerate's prepare() reads this of every optimizer it is given (1.15-1.16); the
+        # integrations hand it a wrapper instead. Given the engine itself (a stock Trainer's
+        # optimizers= / optimizer_cls_and_kwargs=, a loop's accelerator.prepare), accelerate
+        # would clip no gradient (they are on the host), log grad_norm 0 and save the 16-bit
+        # weights: refused before any step.
+        raise ValueError(
+            "a ZeroOffloadOptimizer was passed to accelerator.prepare, which would train it "
+            "without clipping, grad_norm or the fp32 masters saved: in an Accelerate loop use "
+            "hf_zoffload.prepare_zero_offload(accelerator, model, optimizer, ...); with a "
+            "Trainer use hf_zoffload.zero_offload_trainer(<the Trainer class>) with "
+            "zero_offload=True arguments (it builds the optimizer; pass no optimizers=)")
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  plugin: ZeroOffloadPlugin | None = None, process_group=None,
                  param_order=None, model: torch.nn.Module | None = None):

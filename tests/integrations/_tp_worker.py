@@ -42,7 +42,7 @@ from hf_zoffload import (  # noqa: E402
     ZeroOffloadPlugin,
     prepare_zero_offload,
 )
-from hf_zoffload.integrations import parallel  # noqa: E402
+from hf_zoffload.integrations import compat, parallel  # noqa: E402
 from hf_zoffload.integrations.parallel import ParallelismConfig  # noqa: E402
 from hf_zoffload.integrations.trainer import (  # noqa: E402
     ZeroOffloadTrainer,
@@ -218,21 +218,21 @@ def refusals(out: str, *, tp: int, dp: int = 1) -> dict:
 
 
 def as_before_5_23(mp: pytest.MonkeyPatch) -> None:
-    """Make the installed transformers look like 5.16 to 5.18 to parallel.py: no
+    """Make the installed transformers look like 5.16 to 5.18 to compat.py: no
     ``_resolve_parallel_plans``, and an ``apply_tensor_parallelism(model, tp_mesh)`` that
     shards by the model's own plan. Nothing to change where it is such a version."""
     owner = next((c for c in PreTrainedModel.__mro__ if "_resolve_parallel_plans" in vars(c)),
                  None)
     if owner is None:
         return
-    resolve, apply = owner._resolve_parallel_plans, parallel.apply_tensor_parallelism
+    resolve, apply = owner._resolve_parallel_plans, compat.apply_tensor_parallelism
 
     def apply_by_the_models_plan(model, tp_mesh):
         plan, _, _ = resolve(model, DistributedConfig(tp_size=tp_mesh.size()))
         return apply(model, tp_mesh, plan)
 
     mp.delattr(owner, "_resolve_parallel_plans")
-    mp.setattr(parallel, "apply_tensor_parallelism", apply_by_the_models_plan)
+    mp.setattr(compat, "apply_tensor_parallelism", apply_by_the_models_plan)
 
 
 def forms(out: str, *, tp: int, dp: int = 1) -> dict:
@@ -261,7 +261,7 @@ def forms(out: str, *, tp: int, dp: int = 1) -> dict:
             "map": sorted(n for n, p in old.items() if replaced.get(id(p)) is now[n]),
             "map_size": len(replaced)}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parallel, "apply_tensor_parallelism", lambda model, tp_mesh: model)
+        mp.setattr(compat, "apply_tensor_parallelism", lambda model, tp_mesh: model)
         try:
             parallel.shard_model(llama(), mesh)
             got["unknown_api"] = ""

@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
-from hf_zoffload.integrations import parallel
+from hf_zoffload.integrations import compat, parallel
 from tests._env import cpu_only_env
 from tests._preloaded import Preloaded
 from tests.integrations import _tp_worker as w
@@ -253,9 +253,9 @@ def test_apply_gets_the_resolved_plan_only_where_it_requires_one(monkeypatch, ap
     rules with `*` (a resolved one would match nothing there) and 5.16 to 5.18 none: those
     read the model's own. Stand-ins with each signature."""
     _APPLIED.clear()
-    monkeypatch.setattr(parallel, "apply_tensor_parallelism", apply)
+    monkeypatch.setattr(compat, "apply_tensor_parallelism", apply)
     model, plan = object(), {"lm_head": "colwise_gather_output"}
-    parallel._apply_plan(model, "mesh", plan)
+    compat.apply_plan(model, "mesh", plan)
     assert _APPLIED == [(model, "mesh", plan) if passes_plan else (model, "mesh")]
 
 
