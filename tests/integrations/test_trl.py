@@ -1,0 +1,443 @@
+"""TRL's trainers through `zero_offload_trainer` / `zero_offload_args`, each against its stock
+self: SFT (plain, packing, completion-only loss, LoRA), DPO (its reference model outside the
+engine) and GRPO (generation with the model being trained, with and without the delayed
+update); and every spelling a user may try, working or refused in one line (issue 34's
+table). Tiny Llama models and word-level data made here, no hub.
+
+fp32 tolerances: the CPU-Adam and torch's AdamW order their float ops differently (1e-7
+relative per op), which is all that differs. Measured over these runs: losses equal or within
+2e-7 relative, grad norms within 1.2e-7, weights within 2e-7 absolute (lr 1e-3).
+"""
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")  # the test extras pin it (setup.cfg)
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig, PeftModel  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_zoffload import (  # noqa: E402
+    ZeroOffloadOptimizer,
+    ZeroOffloadPlugin,
+    ZeroOffloadTrainer,
+    ZeroOffloadTrainingArguments,
+    zero_offload_args,
+    zero_offload_trainer,
+)
+
+WORDS = "the a cat dog sat ran on under mat rug big small red blue and then".split()
+COMMON = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, logging_steps=1,
+              report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0,
+              disable_tqdm=True)
+
+
+def tokenizer():
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def llama(dtype=torch.float32):
+    """No attention biases: a key bias's exact gradient is zero (softmax ignores a per-row
+    constant), so its Adam step would normalise rounding noise."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def data():
+    r = random.Random(0)
+
+    def words(lo, hi):
+        return " ".join(r.choice(WORDS) for _ in range(r.randint(lo, hi)))
+
+    return {
+        "text": Dataset.from_dict({"text": [words(4, 12) for _ in range(32)]}),
+        "completion": Dataset.from_dict({"prompt": [words(2, 5) for _ in range(32)],
+                                         "completion": [words(2, 6) for _ in range(32)]}),
+        "preference": Dataset.from_dict({"prompt": [words(2, 4) for _ in range(16)],
+                                         "chosen": [words(2, 5) for _ in range(16)],
+                                         "rejected": [words(2, 5) for _ in range(16)]}),
+        "prompt": Dataset.from_dict({"prompt": [words(2, 4) for _ in range(16)]}),
+    }
+
+
+def column(trainer, key):
+    return [e[key] for e in trainer.state.log_history if key in e and "train_runtime" not in e]
+
+
+def same_run(got, ref, *, params=None):
+    """The offload run against the stock one, fp32 (module docstring)."""
+    assert got.engine is not None and ref.optimizer.optimizer.__class__ is torch.optim.AdamW
+    assert len(column(got, "loss")) == COMMON["max_steps"]
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-6, abs=1e-7)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-6)
+    named = dict(ref.model.named_parameters())
+    for name, p in got.model.named_parameters():
+        if params is None or params(name):
+            assert torch.allclose(p, named[name], rtol=0, atol=1e-6), name
+
+
+def sft(data, *, offload, dataset="text", **kw):
+    opts = dict(COMMON, output_dir=f"/tmp/unused-{offload}", max_length=16, **kw)
+    trainer_kw = {k: opts.pop(k) for k in ("peft_config",) if k in opts}
+    if offload:
+        cls, args = zero_offload_trainer(SFTTrainer), zero_offload_args(SFTConfig)(
+            zero_offload=True, **opts)
+    else:
+        cls, args = SFTTrainer, SFTConfig(**opts)
+    trainer = cls(model=llama(), args=args, train_dataset=data[dataset],
+                  processing_class=tokenizer(), **trainer_kw)
+    trainer.train()
+    return trainer
+
+
+# ------------------------------------------------------------------------ SFT
+@pytest.mark.parametrize("kind", ["plain", "packing", "completion_only"])
+def test_sft_matches_stock(tmp_path, data, kind):
+    kw = {"plain": {}, "packing": {"packing": True},
+          "completion_only": {"dataset": "completion", "completion_only_loss": True}}[kind]
+    got, ref = sft(data, offload=True, **kw), sft(data, offload=False, **kw)
+    if kind == "packing":
+        assert got.padding_free  # TRL's default packing (bfd) trains padding-free
+    same_run(got, ref)
+
+
+def test_sft_lora_trains_the_adapters_as_stock(data):
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    got = sft(data, offload=True, peft_config=LoraConfig(**lora))
+    ref = sft(data, offload=False, peft_config=LoraConfig(**lora))
+    assert isinstance(got.model, PeftModel)
+    trained = {id(p) for g in got.engine.param_groups for p in g["params"]}
+    named = dict(got.model.named_parameters())
+    assert {n for n, p in named.items() if id(p) in trained} == {
+        n for n, p in named.items() if p.requires_grad} and all("lora_" in n for n in named
+                                                                 if named[n].requires_grad)
+    same_run(got, ref)
+
+
+def test_sft_bf16_within_the_trainer_tolerance(data):
+    """The engine's bf16 params and fp32 masters against the stock Trainer's autocast over
+    fp32 params. Measured over 3 steps: losses within 1.1e-4, grad norms within 1.8e-3; the
+    bounds are the Trainer's (test_trainer.py, test_bf16_matches_plain_mixed_precision)."""
+    got, ref = sft(data, offload=True, bf16=True), sft(data, offload=False, bf16=True)
+    assert got.engine.plugin.compute_dtype == "bf16"
+    assert next(got.model.parameters()).dtype == torch.bfloat16
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=5e-4)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-3)
+
+
+# ------------------------------------------------------------------------ DPO
+def test_dpo_matches_stock_with_the_reference_outside_the_engine(data):
+    runs = {}
+    for offload in (True, False):
+        opts = dict(COMMON, output_dir="/tmp/unused", max_length=16)
+        if offload:
+            cls, args = zero_offload_trainer(DPOTrainer), zero_offload_args(DPOConfig)(
+                zero_offload=True, **opts)
+        else:
+            cls, args = DPOTrainer, DPOConfig(**opts)
+        ref_model = llama()
+        runs[offload] = cls(model=llama(), ref_model=ref_model, args=args,
+                            train_dataset=data["preference"], processing_class=tokenizer())
+        runs[offload].train()
+    got, ref = runs[True], runs[False]
+    same_run(got, ref)
+    trained = {id(p) for g in got.engine.param_groups for p in g["params"]}
+    assert not any(id(p) in trained for p in got.ref_model.parameters())
+    for p, q in zip(got.ref_model.parameters(), llama().parameters()):  # untouched
+        assert p.dtype == torch.float32 and torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------ GRPO
+def reward_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+class SeenAtGeneration(TrainerCallback):
+    """For every ``generate`` of the model being trained: whether a delayed update was still
+    pending when it was called, and whether the params its first forward computed on were
+    the engine's masters after the steps taken so far, rounded to the compute dtype."""
+
+    def __init__(self):
+        self.trainer, self.seen = None, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        model, engine = self.trainer.model, self.trainer.engine
+        generate = model.generate
+        pending = []
+
+        def recording_generate(*a, **k):
+            pending[:] = [engine.update_in_flight]
+            return generate(*a, **k)
+
+        def check(module, inputs):  # registered after the integration's own hooks
+            if torch.is_grad_enabled() or not pending:
+                return
+            same = all(torch.equal(p.detach().reshape(-1),
+                                   engine.host_views(p)["master"].to(p.dtype))
+                       for p in module.parameters())
+            self.seen.append((engine.applied_steps, pending.pop(), same))
+
+        model.generate = recording_generate
+        model.register_forward_pre_hook(check)
+
+
+def grpo(data, *, offload, callbacks=(), **kw):
+    opts = dict(COMMON, output_dir="/tmp/unused", num_generations=2, max_completion_length=4,
+                **kw)
+    if offload:
+        cls, args = zero_offload_trainer(GRPOTrainer), zero_offload_args(GRPOConfig)(
+            zero_offload=True, **opts)
+    else:
+        cls, args = GRPOTrainer, GRPOConfig(**opts)
+    trainer = cls(model=llama(), reward_funcs=reward_length, args=args,
+                  train_dataset=data["prompt"], processing_class=tokenizer(),
+                  callbacks=list(callbacks))
+    for c in callbacks:
+        c.trainer = trainer
+    trainer.train()
+    return trainer
+
+
+def test_grpo_matches_stock(data):
+    got, ref = grpo(data, offload=True), grpo(data, offload=False)
+    assert column(got, "reward") == column(ref, "reward")  # the same completions sampled
+    same_run(got, ref)
+
+
+@pytest.mark.parametrize("dtype, delayed", [("fp32", False), ("fp32", True), ("bf16", True)])
+def test_grpo_generates_with_the_params_of_the_last_step(data, dtype, delayed):
+    """Each generation computes on the masters of every step taken before it. With the delayed
+    update the last step's params are still on their way when generation starts: a forward
+    without grad lands them first (core.prepare_models)."""
+    seen = SeenAtGeneration()
+    kw = dict(max_steps=4, bf16=dtype == "bf16")
+    if delayed:
+        kw.update(zero_offload_delayed_update=True, zero_offload_delayed_update_warmup_steps=0)
+    trainer = grpo(data, offload=True, callbacks=[seen], **kw)
+    assert trainer.engine.plugin.compute_dtype == dtype
+    assert [steps for steps, _, _ in seen.seen] == [0, 1, 2, 3]  # one generation per step
+    assert all(same for _, _, same in seen.seen), seen.seen
+    # the delayed update starts once the buckets follow the first backward (step 2 on):
+    # those generations were called with an update pending, which they waited for
+    assert [pending for _, pending, _ in seen.seen] == [False, False, delayed, delayed]
+
+
+# ------------------------------------------------------------------------ every spelling
+@dataclasses.dataclass
+class SftThenOffloadArgs(SFTConfig, ZeroOffloadTrainingArguments):
+    pass
+
+
+@dataclasses.dataclass
+class OffloadThenSftArgs(ZeroOffloadTrainingArguments, SFTConfig):
+    pass
+
+
+class OffloadThenSft(ZeroOffloadTrainer, SFTTrainer):
+    pass
+
+
+class SftThenOffload(SFTTrainer, ZeroOffloadTrainer):
+    pass
+
+
+def _sft_args(cls=None, **kw):
+    cls = cls or zero_offload_args(SFTConfig)
+    return cls(**{**COMMON, "output_dir": "/tmp/unused", "max_length": 16, "max_steps": 2,
+                  "zero_offload": True, **kw})
+
+
+def _build(cls, data, args, model=None, **kw):
+    return cls(model=model or llama(), args=args, train_dataset=data["text"],
+               processing_class=tokenizer(), **kw)
+
+
+def test_the_factories_make_one_class_each_and_keep_the_stock_names():
+    assert zero_offload_trainer(Trainer) is ZeroOffloadTrainer
+    assert zero_offload_args(TrainingArguments) is ZeroOffloadTrainingArguments
+    assert zero_offload_trainer(SFTTrainer) is zero_offload_trainer(SFTTrainer)
+    assert zero_offload_trainer(OffloadThenSft) is OffloadThenSft  # has the mixin already
+    assert zero_offload_args(SftThenOffloadArgs) is SftThenOffloadArgs
+    assert ZeroOffloadTrainer.__name__ == "ZeroOffloadTrainer"
+    assert ZeroOffloadTrainingArguments.__module__ == "hf_zoffload.integrations.trainer"
+    for bad, factory in ((SFTConfig, zero_offload_trainer), (SFTTrainer, zero_offload_args),
+                         (object, zero_offload_trainer)):
+        with pytest.raises(TypeError, match=rf"^{factory.__name__} takes "):
+            factory(bad)
+
+
+@pytest.mark.parametrize("trainer_cls, args_cls", [
+    (zero_offload_trainer(SFTTrainer), None),
+    (OffloadThenSft, None),
+    (OffloadThenSft, SftThenOffloadArgs),
+    (SftThenOffload, SftThenOffloadArgs),
+    (SftThenOffload, OffloadThenSftArgs),
+], ids=["factory", "ours-first", "ours-first+own-args", "sft-first", "sft-first+other-args"])
+def test_every_order_of_the_bases_trains_with_offload(data, trainer_cls, args_cls):
+    """The subclass's own keywords (peft_config=) reach it; SFTConfig's own set-up runs
+    (its defaults, bf16 among them, resolved) in either order of the argument bases."""
+    args = _sft_args(args_cls, packing=True)
+    trainer = _build(trainer_cls, data, args, peft_config=LoraConfig(
+        r=4, target_modules=["q_proj"], lora_dropout=0.0))
+    trainer.train()
+    assert trainer.engine is not None and trainer.engine.applied_steps == 2
+    assert isinstance(trainer.model, PeftModel) and trainer.padding_free
+    assert args.bf16 is False and isinstance(args.pad_to_multiple_of, (int, type(None)))
+
+
+def _engine(model):
+    return ZeroOffloadOptimizer(model.parameters(), plugin=ZeroOffloadPlugin(compute_dtype="fp32"))
+
+
+def _plain_args(**kw):
+    return ZeroOffloadTrainingArguments(output_dir="/tmp/unused", zero_offload=True, use_cpu=True,
+                                        report_to=[], **kw)
+
+
+# name: (build and train with a model, the one line it stops with)
+REFUSED = {
+    "stock-trainer+our-args": (
+        lambda d, m: _build(SFTTrainer, d, _sft_args(), model=m),
+        r"^SFTTrainer was given ZeroOffloadSFTConfig with zero_offload=True, but SFTTrainer is "
+        r"not a ZeRO-Offload trainer .* Use hf_zoffload\.zero_offload_trainer\(SFTTrainer\)"),
+    "our-trainer+plain-args": (
+        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _plain_args(), model=m),
+        r"^ZeroOffloadSFTTrainer takes SFTConfig arguments, not ZeroOffloadTrainingArguments:"
+        r" build them with hf_zoffload\.zero_offload_args\(SFTConfig\)\(\.\.\., "
+        r"zero_offload=True\)$"),
+    "sft-first+plain-args": (
+        lambda d, m: _build(SftThenOffload, d, _plain_args(), model=m),
+        r"^SftThenOffload takes SFTConfig arguments, not ZeroOffloadTrainingArguments"),
+    "stock+optimizers=": (
+        lambda d, m: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
+                            model=m, optimizers=(_engine(m), None)).train(),
+        r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare, .* with a Trainer use "
+        r"hf_zoffload\.zero_offload_trainer\(<the Trainer class>\) with zero_offload=True"),
+    "stock+optimizer_cls_and_kwargs=": (
+        lambda d, m: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
+                            model=m, optimizer_cls_and_kwargs=(ZeroOffloadOptimizer, {
+                                "plugin": ZeroOffloadPlugin(compute_dtype="fp32")})).train(),
+        r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
+    "transformers-Trainer+optimizers=": (
+        lambda d, m: Trainer(model=m, args=TrainingArguments(**dict(
+            COMMON, output_dir="/tmp/unused")), train_dataset=[{"input_ids": torch.ones(
+                8, dtype=torch.long), "labels": torch.ones(8, dtype=torch.long)}] * 8,
+            optimizers=(_engine(m), None)).train(),
+        r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
+    "offload-off+optimizers=": (
+        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(zero_offload=False),
+                            model=m, optimizers=(_engine(m), None)).train(),
+        r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
+    "ours+optimizers=": (
+        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(), model=m,
+                            optimizers=(torch.optim.AdamW(m.parameters()), None)),
+        r"^zero_offload=True builds its own optimizer and scheduler: do not pass optimizers= "
+        r"to ZeroOffloadSFTTrainer"),
+    "ours+optimizer_cls_and_kwargs=": (
+        lambda d, m: _build(OffloadThenSft, d, _sft_args(), model=m,
+                            optimizer_cls_and_kwargs=(torch.optim.AdamW, {})),
+        r"^zero_offload=True builds its own optimizer and scheduler: do not pass "
+        r"optimizer_cls_and_kwargs= to OffloadThenSft"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_cannot_work_is_refused_in_one_line_before_any_step(data, name):
+    """Each stops with one line naming what works, and the model keeps its initial weights
+    (a ZeroOffloadOptimizer built on it has cast them to its compute dtype, fp32 here)."""
+    build, match = REFUSED[name]
+    model = llama()
+    with pytest.raises(ValueError, match=match) as err:
+        build(data, model)
+    assert "\n" not in str(err.value)
+    for p, q in zip(model.parameters(), llama().parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_combined_argument_class_must_be_a_dataclass():
+    class NotADataclass(ZeroOffloadTrainingArguments, SFTConfig):
+        pass
+
+    with pytest.raises(TypeError, match=r"^NotADataclass combines ZeRO-Offload's arguments with "
+                                         r"SFTConfig.*decorate it with @dataclasses\.dataclass, "
+                                         r"or use hf_zoffload\.zero_offload_args\(SFTConfig\)$"):
+        NotADataclass(output_dir="/tmp/unused", packing=True)
+
+
+def test_stock_sft_trainer_with_offload_arguments_stops_before_the_model(data):
+    """SFTTrainer rebuilds arguments that are not an SFTConfig as SFTConfig(**args.to_dict())
+    before any other code runs: TRL's own TypeError names the option, nothing is trained."""
+    model = llama()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'zero_offload'"):
+        SFTTrainer(model=model, args=ZeroOffloadTrainingArguments(
+            output_dir="/tmp/unused", zero_offload=True, use_cpu=True, report_to=[]),
+            train_dataset=data["text"], processing_class=tokenizer())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_combined_arguments_pickle_and_copy():
+    import pickle
+
+    args = _sft_args(packing=True, zero_offload_bucket_size_mb=0.5)
+    for back in (pickle.loads(pickle.dumps(args)), copy.deepcopy(args)):
+        assert type(back) is type(args) and back.packing and back.zero_offload
+        assert back.zero_offload_plugin().bucket_size_mb == 0.5
+
+
+def test_a_trl_config_parses_the_offload_options():
+    """What `trl sft` does: HfArgumentParser over the config class; the combined one takes
+    --zero_offload and --zero_offload_<setting> beside TRL's own options."""
+    parser = HfArgumentParser(zero_offload_args(SFTConfig))
+    (args,) = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", "/tmp/unused", "--use_cpu", "--bf16", "false", "--packing",
+        "--zero_offload", "--zero_offload_bucket_size_mb", "0.5", "--max_length", "32"])
+    assert args.zero_offload and args.packing and args.max_length == 32
+    plugin = args.zero_offload_plugin()
+    assert plugin.bucket_size_mb == 0.5 and plugin.compute_dtype == "fp32"
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--zero_offload'"):
+        HfArgumentParser(SFTConfig).parse_args_into_dataclasses(
+            args=["--output_dir", "/tmp/unused", "--use_cpu", "--zero_offload"])
+
+
+# ------------------------------------------------------------------------ dtypes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16bit_model_without_precision_flags_keeps_its_dtype(data, dtype):
+    """As in the stock Trainer: a model loaded in 16-bit, trained without --fp16/--bf16,
+    stays in its dtype on the device (the engine computes in it, fp32 masters on the host)."""
+    opts = dict(COMMON, output_dir="/tmp/unused", max_length=16, max_steps=2)
+    stock = SFTTrainer(model=llama(dtype), args=SFTConfig(**opts), train_dataset=data["text"],
+                       processing_class=tokenizer())
+    stock.train()
+    got = zero_offload_trainer(SFTTrainer)(
+        model=llama(dtype), args=zero_offload_args(SFTConfig)(zero_offload=True, **opts),
+        train_dataset=data["text"], processing_class=tokenizer())
+    got.train()
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    assert got.engine.plugin.compute_dtype == names[dtype]
+    assert {p.dtype for p in got.model.parameters()} == {p.dtype for p in
+                                                         stock.model.parameters()} == {dtype}
+    master = got.engine.host_views(next(got.model.parameters()))["master"]
+    assert master.dtype == torch.float32
