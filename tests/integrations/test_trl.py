@@ -1,8 +1,8 @@
 """TRL's trainers through `zero_offload_trainer` / `zero_offload_args`, each against its stock
 self: SFT (plain, packing, completion-only loss, LoRA), DPO (its reference model outside the
-engine) and GRPO (generation with the model being trained, with and without the delayed
-update); and every spelling a user may try, working or refused in one line (issue 34's
-table). Tiny Llama models and word-level data made here, no hub.
+engine), GRPO (generation with the model being trained, with and without the delayed
+update), RLOO, the reward trainer and KTO; and every spelling a user may try, working or
+refused in one line (issue 34's table). Tiny Llama models and word-level data made here, no hub.
 
 fp32 tolerances: the CPU-Adam and torch's AdamW order their float ops differently (1e-7
 relative per op), which is all that differs. Measured over these runs: losses equal or within
@@ -25,12 +25,26 @@ from transformers import (  # noqa: E402
     HfArgumentParser,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 from hf_zoffload import (  # noqa: E402
     ZeroOffloadOptimizer,
@@ -80,6 +94,11 @@ def data():
                                          "chosen": [words(2, 5) for _ in range(16)],
                                          "rejected": [words(2, 5) for _ in range(16)]}),
         "prompt": Dataset.from_dict({"prompt": [words(2, 4) for _ in range(16)]}),
+        "unpaired": Dataset.from_dict({"prompt": [words(2, 4) for _ in range(16)],
+                                       "completion": [" " + words(2, 5) for _ in range(16)],
+                                       "label": [i % 2 == 0 for i in range(16)]}),
+        "pairs": Dataset.from_dict({"chosen": [words(3, 6) for _ in range(16)],
+                                    "rejected": [words(3, 6) for _ in range(16)]}),
     }
 
 
@@ -243,6 +262,43 @@ def test_grpo_generates_with_the_params_of_the_last_step(data, dtype, delayed):
     # the delayed update starts once the buckets follow the first backward (step 2 on):
     # those generations were called with an update pending, which they waited for
     assert [pending for _, pending, _ in seen.seen] == [False, False, delayed, delayed]
+
+
+# ------------------------------------------------------------------------ the others
+def reward_model():
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(**{**llama().config.to_dict(),
+                                                         "num_labels": 1, "id2label": None,
+                                                         "label2id": None}))
+
+
+OTHERS = {  # trainer, its config, what it is built with beside args (made fresh per run)
+    "rloo": (RLOOTrainer, RLOOConfig, lambda d: dict(
+        model=llama(), reward_funcs=reward_length, train_dataset=d["prompt"]),
+        dict(num_generations=2, max_completion_length=4, beta=0.0)),
+    "reward": (RewardTrainer, RewardConfig, lambda d: dict(
+        model=reward_model(), train_dataset=d["pairs"]), dict(max_length=16)),
+    "kto": (KTOTrainer, KTOConfig, lambda d: dict(
+        model=llama(), ref_model=llama(), train_dataset=d["unpaired"]), dict(max_length=16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
+def test_the_other_trainers_on_the_path_match_stock(data, name):
+    """RLOO (generation, as GRPO), the reward model trainer (a sequence-classification head)
+    and KTO (a reference model outside the engine), fp32, against their stock selves."""
+    trainer_cls, config_cls, given, extra = OTHERS[name]
+    runs = {}
+    for offload in (True, False):
+        opts = dict(COMMON, output_dir="/tmp/unused", **extra)
+        if offload:
+            cls, args = zero_offload_trainer(trainer_cls), zero_offload_args(config_cls)(
+                zero_offload=True, **opts)
+        else:
+            cls, args = trainer_cls, config_cls(**opts)
+        runs[offload] = cls(args=args, processing_class=tokenizer(), **given(data))
+        runs[offload].train()
+    same_run(runs[True], runs[False])
 
 
 # ------------------------------------------------------------------------ every spelling
@@ -441,3 +497,54 @@ def test_a_16bit_model_without_precision_flags_keeps_its_dtype(data, dtype):
                                                          stock.model.parameters()} == {dtype}
     master = got.engine.host_views(next(got.model.parameters()))["master"]
     assert master.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------ the command line
+@pytest.mark.slow
+def test_hf_zoffload_launch_runs_a_trl_script_with_the_sidecars_settings(tmp_path):
+    """scripts/sft_trl.py (`trl sft` with zero_offload_args / zero_offload_trainer) under
+    `hf-zoffload launch`: the sidecar's ``zero_offload: true`` turns offload on without
+    --zero_offload, its bucket size reaches the engine, and the saved weights are the fp32
+    masters."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from hf_zoffload.commands.main import main
+
+    root = Path(__file__).resolve().parents[2]
+    model_dir, data_dir, out = tmp_path / "model", tmp_path / "data", tmp_path / "out"
+    llama().save_pretrained(model_dir)
+    tokenizer().save_pretrained(model_dir)
+    data_dir.mkdir()
+    r = random.Random(0)
+    (data_dir / "train.jsonl").write_text("".join(json.dumps({"text": " ".join(
+        r.choice(WORDS) for _ in range(8))}) + "\n" for _ in range(16)))
+    cfg = tmp_path / "acc.yaml"
+    assert main(["config", "--default", "--config_file", str(cfg)]) == 0
+    (tmp_path / "acc_zoffload.yaml").write_text(yaml.safe_dump(
+        {"zero_offload": True, "zoffload": {"bucket_size_mb": 0.01}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZOFFLOAD_")}
+    env.update(PYTHONPATH=str(root), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "hf_zoffload.commands.main", "launch", "--config_file",
+           str(cfg), str(root / "scripts" / "sft_trl.py"), "--model_name_or_path",
+           str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
+           "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "16",
+           "--use_cpu", "--bf16", "false", "--report_to", "none", "--logging_steps", "1",
+           "--save_strategy", "no", "--learning_rate", "1e-3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO-Offload enabled; settings from" in proc.stderr
+    assert "ZeRO-Offload memory (model states)" in proc.stderr  # the engine trained
+    buckets = [int(line.rsplit(";", 1)[1].split()[0]) for line in proc.stderr.splitlines()
+               if "gradient arrival order: done" in line]
+    assert buckets and buckets[0] > 1  # 0.01 MB buckets: the default (25 MB) makes one
+    saved = load_file(out / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
