@@ -34,6 +34,8 @@ def _find(lang: str, needle: str) -> str:
 RUNNERS = {("bash", "bash scripts/quickstart.sh"): "test_setup_lines",
            ("bash", "pip install ."): "test_install_snippet",
            ("python", "ZeroOffloadTrainer("): "test_trainer_snippet",
+           ("python", "zero_offload=True)\ntrainer = zero_offload_trainer"): "test_trl_snippets",
+           ("python", "peft_config=lora"): "test_trl_snippets",
            ("bash", "scripts/run_clm.py"): "test_run_clm_snippet",
            ("diff", "prepare_zero_offload"): "test_accelerate_snippet",
            ("bash", "hf-zoffload config"): "test_commands_snippet",
@@ -117,6 +119,35 @@ def test_trainer_snippet(tmp_path, monkeypatch, fresh_accelerate):
     trainer = scope["trainer"]
     assert trainer.engine is not None and trainer.state.global_step == 3
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _trl_scope():
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+
+    from tests.integrations.test_trl import WORDS, llama, tokenizer
+
+    datasets = pytest.importorskip("datasets")
+    texts = [" ".join(WORDS[i:i + 6]) for i in range(8)]
+    return {"model": llama(), "tokenizer": tokenizer(),
+            "ds": datasets.Dataset.from_dict({"text": texts}),
+            "lora": LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0)}
+
+
+@pytest.mark.parametrize("needle", ["zero_offload=True)\ntrainer = zero_offload_trainer",
+                                    "peft_config=lora"], ids=["readme", "usage"])
+def test_trl_snippets(tmp_path, monkeypatch, fresh_accelerate, needle):
+    """The README's and docs/usage.md's TRL lines, as written (trl's default bf16=True on a
+    machine without a GPU: use_cpu added as the runner's own setting)."""
+    monkeypatch.chdir(tmp_path)
+    code = _find("python", needle).replace('output_dir="out",', 'output_dir="out", '
+                                           'use_cpu=True, max_steps=2, report_to=[],')
+    scope = _trl_scope()
+    exec(code, scope)
+    trainer = scope["trainer"]
+    if "trainer.train()" not in code:
+        trainer.train()
+    assert trainer.engine is not None and trainer.state.global_step == 2
 
 
 def test_plain_loop_snippet(tmp_path, monkeypatch):
