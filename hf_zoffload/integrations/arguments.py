@@ -248,13 +248,19 @@ def _zero_offload_plugin(self, model=None) -> ZeroOffloadPlugin:
 
 
 def _trained_dtype(model) -> str | None:
-    """The compute dtype a model loaded in 16-bit keeps: its trainable float params' one
-    16-bit dtype, else None (fp32, or mixed dtypes)."""
+    """The compute dtype of a model loaded in 16-bit: the 16-bit dtype that most of its float
+    param elements have (a LoRA model over a bf16 base, its adapters in fp32 as peft makes
+    them: bf16, so that the base stays bf16 on the device), else None (fp32)."""
     if model is None:
         return None
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-    return names.get(dtypes.pop()) if len(dtypes) == 1 else None
+    sizes: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if not sizes:
+        return None
+    most = max(sizes, key=sizes.get)
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(most)
 
 
 def _check_composed(cls) -> None:
@@ -346,7 +352,7 @@ class ZeroOffloadArgumentsMixin:
         defaults, with the compute dtype and the clip norm taken from the Trainer's own
         options. Given the ``model`` to train, with no precision asked for anywhere, the
         compute dtype is that of a model loaded in 16-bit (the stock Trainer trains it in its
-        dtype), else fp32."""
+        dtype; `_trained_dtype`), else fp32."""
         return _zero_offload_plugin(self, model)
 
     def __reduce_ex__(self, protocol):

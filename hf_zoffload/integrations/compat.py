@@ -22,6 +22,12 @@ What has no public hook, and so stays here:
   learn which trainer holds it, and scripts call the same method themselves beforehand.
 - The tensor-parallel API of ``transformers.distributed.tensor_parallel`` and the model's
   ``_resolve_parallel_plans`` (`resolved_plan`, `apply_plan`), which changed form in 5.23.
+
+Two accelerator methods are replaced on the Trainer's own accelerator instance, for want of a
+public hook in transformers or accelerate: ``clip_grad_norm_`` (core.install; the Trainer's
+clip call is private, 5.24's ``_clip_grad_norm``, inline in 5.17's loop, and both reach the
+accelerator's method) and ``prepare_model`` (trainer.py: the Trainer prepares the model with
+no option to leave out the DDP wrapper).
 """
 
 from __future__ import annotations

@@ -479,24 +479,39 @@ def test_a_trl_config_parses_the_offload_options():
 
 
 # ------------------------------------------------------------------------ dtypes
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_a_16bit_model_without_precision_flags_keeps_its_dtype(data, dtype):
+@pytest.mark.parametrize("dtype, lora", [(torch.bfloat16, False), (torch.float16, False),
+                                         (torch.bfloat16, True)],
+                         ids=["bf16", "fp16", "bf16-base+lora"])
+def test_a_16bit_model_without_precision_flags_keeps_its_dtype(data, dtype, lora):
     """As in the stock Trainer: a model loaded in 16-bit, trained without --fp16/--bf16,
-    stays in its dtype on the device (the engine computes in it, fp32 masters on the host)."""
+    stays in its dtype on the device (the engine computes in it, fp32 masters on the host).
+    With LoRA over a 16-bit base (peft makes the adapters fp32) the base keeps its dtype too;
+    the adapters' device copy joins it, their masters are fp32."""
     opts = dict(COMMON, output_dir="/tmp/unused", max_length=16, max_steps=2)
+    extra = {"peft_config": LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0)} \
+        if lora else {}
     stock = SFTTrainer(model=llama(dtype), args=SFTConfig(**opts), train_dataset=data["text"],
-                       processing_class=tokenizer())
+                       processing_class=tokenizer(), **extra)
     stock.train()
     got = zero_offload_trainer(SFTTrainer)(
         model=llama(dtype), args=zero_offload_args(SFTConfig)(zero_offload=True, **opts),
-        train_dataset=data["text"], processing_class=tokenizer())
+        train_dataset=data["text"], processing_class=tokenizer(), **extra)
     got.train()
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     assert got.engine.plugin.compute_dtype == names[dtype]
-    assert {p.dtype for p in got.model.parameters()} == {p.dtype for p in
-                                                         stock.model.parameters()} == {dtype}
-    master = got.engine.host_views(next(got.model.parameters()))["master"]
-    assert master.dtype == torch.float32
+
+    def frozen(trainer):
+        return {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+
+    if lora:
+        assert frozen(got) == frozen(stock) == {dtype}
+        assert {p.dtype for p in stock.model.parameters() if p.requires_grad} == {torch.float32}
+    else:
+        assert {p.dtype for p in got.model.parameters()} == {p.dtype for p in
+                                                             stock.model.parameters()} == {dtype}
+    trained = [p for p in got.model.parameters() if p.requires_grad]
+    assert {p.dtype for p in trained} == {dtype}
+    assert got.engine.host_views(trained[0])["master"].dtype == torch.float32
 
 
 # ------------------------------------------------------------------------ the command line
