@@ -15,9 +15,11 @@ checks and set-up shared with `prepare_zero_offload` are an `OffloadPlan` (plan.
 the accelerator exists; the private Trainer methods taken part in are `compat.TrainerInternals`:
 
 - Arguments: `__new__` checks what the trainer is given before any ``__init__`` of the class
-  runs (a TRL trainer's ``__init__`` converts or reads its arguments first): a trainer whose
-  ``args`` must be its own config class (``SFTConfig``, ...) refuses arguments that are not
-  one, naming ``zero_offload_args(SFTConfig)``; with offload, ``optimizers=`` /
+  runs (a TRL trainer's ``__init__`` converts or reads its arguments first). Offload arguments
+  of another class than the trainer's own config class (read from its ``args`` annotation):
+  rebuilt as ``zero_offload_args(<config>)`` where the trainer takes any TrainingArguments
+  and the mixin's ``__init__`` runs first (`_converted`, as SFTTrainer rebuilds plain ones),
+  else refused, naming ``zero_offload_args(<config>)``. With offload, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=``, several GPUs in one process and ``--auto_find_batch_size``
   where its retry cannot work are refused.
 
@@ -83,6 +85,7 @@ the accelerator exists; the private Trainer methods taken part in are `compat.Tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -174,12 +177,23 @@ def _given(cls, args, kwargs) -> dict | None:
     return None
 
 
-def _config_class(cls) -> type | None:
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """What a trainer class's ``__init__`` wants as ``args``, read from its annotation."""
+
+    cls: type  # the TrainingArguments subclass it names (TRL's SFTConfig, DPOConfig, ...)
+    converts: bool  # it takes any TrainingArguments too (rebuilding them as ``cls``)
+    before_mixin: bool  # that __init__ runs before the mixin's (it comes first in the MRO)
+
+
+def _config_class(cls) -> _Config | None:
     """The argument class ``cls``'s ``__init__`` requires, read from the annotation of its
-    ``args`` parameter (TRL's ``args: SFTConfig | TrainingArguments | None``): the one
-    `TrainingArguments` subclass named there, or None (any TrainingArguments)."""
+    ``args`` parameter (TRL's ``args: SFTConfig | TrainingArguments | None``: SFTConfig, and
+    TrainingArguments are taken too), or None (any TrainingArguments)."""
+    seen_mixin = False
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
+        seen_mixin = seen_mixin or klass is ZeroOffloadTrainerMixin
         if init is None or klass is ZeroOffloadTrainerMixin:
             continue
         param = inspect.signature(init).parameters.get("args")
@@ -191,10 +205,30 @@ def _config_class(cls) -> type | None:
                 hint = eval(hint, vars(inspect.getmodule(init)))  # noqa: S307 (its own source)
             except Exception:  # noqa: BLE001 (a name not importable there: no requirement)
                 return None
-        named = [t for t in getattr(hint, "__args__", (hint,)) if isinstance(t, type)
-                 and issubclass(t, TrainingArguments) and t is not TrainingArguments]
-        return named[0] if len(named) == 1 else None
+        kinds = [t for t in getattr(hint, "__args__", (hint,)) if isinstance(t, type)
+                 and issubclass(t, TrainingArguments)]
+        named = [t for t in kinds if t is not TrainingArguments]
+        if len(named) != 1:
+            return None
+        return _Config(named[0], converts=TrainingArguments in kinds, before_mixin=not seen_mixin)
     return None
+
+
+def _converted(cls, args: tuple, kwargs: dict):
+    """``(args, kwargs)`` with offload arguments of another class rebuilt as
+    ``zero_offload_args(<the trainer's config class>)``, as a trainer that takes any
+    TrainingArguments (TRL's SFTTrainer) rebuilds plain ones: ``Config(**args.to_dict())``,
+    ``to_dict`` leaving out the hub token."""
+    bound, config = _given(cls, args, kwargs), _config_class(cls)
+    targs = None if bound is None else bound.get("args")
+    if config is None or not isinstance(targs, ZeroOffloadArgumentsMixin) or \
+            isinstance(targs, config.cls):
+        return args, kwargs
+    rebuilt = zero_offload_args(config.cls)(**{**targs.to_dict(), "hub_token": targs.hub_token})
+    if "args" in kwargs:
+        return args, {**kwargs, "args": rebuilt}
+    i = next(k for k, a in enumerate(args) if a is targs)  # given by position
+    return (*args[:i], rebuilt, *args[i + 1:]), kwargs
 
 
 # --------------------------------------------------------------------------- trainer
@@ -213,6 +247,7 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
+        args, kwargs = _converted(type(self), args, kwargs)
         super().__init__(*args, **kwargs)
         if not self.zero_offload:
             return
@@ -562,12 +597,15 @@ def _check_given(cls, bound: dict | None) -> None:
     targs = bound.get("args")
     config = _config_class(cls)
     if isinstance(targs, ZeroOffloadArgumentsMixin) and config is not None \
-            and not isinstance(targs, config):
-        # e.g. SFTTrainer rebuilds arguments that are not an SFTConfig as SFTConfig(
-        # **args.to_dict()), which knows no zero_offload option.
-        raise ValueError(f"{cls.__name__} takes {config.__name__} arguments, not "
+            and not isinstance(targs, config.cls) and (config.before_mixin
+                                                       or not config.converts):
+        # A trainer that rebuilds other arguments (SFTTrainer: SFTConfig(**args.to_dict()),
+        # which knows no zero_offload option) has them rebuilt with the offload fields by the
+        # mixin's __init__ (`_converted`), when that runs first; one that takes only its own
+        # class (DPOTrainer) would fail on a missing option later.
+        raise ValueError(f"{cls.__name__} takes {config.cls.__name__} arguments, not "
                          f"{type(targs).__name__}: build them with hf_zoffload."
-                         f"zero_offload_args({config.__name__})(..., zero_offload=True)")
+                         f"zero_offload_args({config.cls.__name__})(..., zero_offload=True)")
     if not getattr(targs, "zero_offload", False):
         return
     given = [name for name, unset in (("optimizers", (None, None)),

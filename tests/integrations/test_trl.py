@@ -379,10 +379,12 @@ REFUSED = {
         lambda d, m: _build(SFTTrainer, d, _sft_args(), model=m),
         r"^SFTTrainer was given ZeroOffloadSFTConfig with zero_offload=True, but SFTTrainer is "
         r"not a ZeRO-Offload trainer .* Use hf_zoffload\.zero_offload_trainer\(SFTTrainer\)"),
-    "our-trainer+plain-args": (
-        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _plain_args(), model=m),
-        r"^ZeroOffloadSFTTrainer takes SFTConfig arguments, not ZeroOffloadTrainingArguments:"
-        r" build them with hf_zoffload\.zero_offload_args\(SFTConfig\)\(\.\.\., "
+    "dpo+plain-args": (
+        lambda d, m: zero_offload_trainer(DPOTrainer)(
+            model=m, ref_model=llama(), args=_plain_args(), train_dataset=d["preference"],
+            processing_class=tokenizer()),
+        r"^ZeroOffloadDPOTrainer takes DPOConfig arguments, not ZeroOffloadTrainingArguments:"
+        r" build them with hf_zoffload\.zero_offload_args\(DPOConfig\)\(\.\.\., "
         r"zero_offload=True\)$"),
     "sft-first+plain-args": (
         lambda d, m: _build(SftThenOffload, d, _plain_args(), model=m),
@@ -431,6 +433,24 @@ def test_what_cannot_work_is_refused_in_one_line_before_any_step(data, name):
     assert "\n" not in str(err.value)
     for p, q in zip(model.parameters(), llama().parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["args=", "positional"])
+def test_plain_offload_arguments_are_rebuilt_as_sft_rebuilds_plain_ones(data, positional):
+    """SFTTrainer takes any TrainingArguments and rebuilds them as an SFTConfig; with the
+    mixin in front, ZeroOffloadTrainingArguments are rebuilt as zero_offload_args(SFTConfig),
+    the offload settings with them (a trainer taking only its own class refuses them:
+    REFUSED's dpo+plain-args; one whose own __init__ runs first: sft-first+plain-args)."""
+    given = _plain_args(max_steps=2, zero_offload_bucket_size_mb=0.5, learning_rate=1e-3)
+    cls = zero_offload_trainer(SFTTrainer)
+    if positional:
+        trainer = cls(llama(), given, train_dataset=data["text"], processing_class=tokenizer())
+    else:
+        trainer = _build(cls, data, given)
+    assert type(trainer.args) is zero_offload_args(SFTConfig)
+    assert trainer.args.learning_rate == 1e-3 and trainer.args.max_length == 1024  # SFT's
+    trainer.train()
+    assert trainer.engine.plugin.bucket_size_mb == 0.5 and trainer.engine.applied_steps == 2
 
 
 def test_a_combined_argument_class_must_be_a_dataclass():
