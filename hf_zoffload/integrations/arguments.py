@@ -1,8 +1,11 @@
-"""`ZeroOffloadTrainingArguments`: `TrainingArguments` plus ``--zero_offload`` and one
-``--zero_offload_<setting>`` per `ZeroOffloadPlugin` field, generated from the fields so that a
-new setting is a new argument with no edit here, and the Trainer's own options
-(`TRAINER_OPTIONS`: ``--zero_offload_log_history_extras``), which are not engine settings; and
+"""`zero_offload_args`: an argument class (`TrainingArguments`, TRL's ``SFTConfig``, ...) plus
+``--zero_offload`` and one ``--zero_offload_<setting>`` per `ZeroOffloadPlugin` field, generated
+from the fields so that a new setting is a new argument with no edit here, and the Trainer's
+own options (`TRAINER_OPTIONS`: ``--zero_offload_log_history_extras``), which are not engine
+settings; and
 `check_argv`, which names the closest option for an unknown ``--zero_offload_<name>``.
+``ZeroOffloadTrainingArguments`` is ``zero_offload_args(TrainingArguments)``; the checks are
+`ZeroOffloadArgumentsMixin`'s, around the base class's own ``__post_init__``.
 
 The compute dtype comes from the Trainer's own ``--fp16`` / ``--bf16`` (else accelerate's
 mixed_precision as `accelerate launch` exports it, else fp32), the clip norm from
@@ -10,11 +13,12 @@ mixed_precision as `accelerate launch` exports it, else fp32), the clip norm fro
 the sidecar yaml > the default.
 
 Nothing given is ignored: with offload on, Trainer options the offload path has no use for
-raise (`UNUSED`, `_check_args`), and a Trainer that is not a ZeroOffloadTrainer refuses these
-arguments (`_get_process_log_level`); with offload off, ``--zero_offload_<name>`` is refused
-or, when offload was turned off on purpose, logged as unused (`_check_off`). ``--fsdp`` /
-``fsdp_config`` go with ``--zero_offload`` for FSDP2 with CPU offload only (`_check_fsdp`);
-the model then stays on the host until it is sharded (`_place_model_on_device`).
+raise (`UNUSED`, `_check_args`), and a Trainer without the offload mixin refuses these
+arguments (`ZeroOffloadArgumentsMixin.get_process_log_level`); with offload off,
+``--zero_offload_<name>`` is refused or, when offload was turned off on purpose, logged as
+unused (`_check_off`). ``--fsdp`` / ``fsdp_config`` go with ``--zero_offload`` for FSDP2 with
+CPU offload only (`_check_fsdp`); the model then stays on the host until it is sharded
+(``place_model_on_device``).
 """
 
 from __future__ import annotations
