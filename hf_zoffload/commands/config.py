@@ -259,6 +259,10 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
                        "processes per node)?")
     ask("state_dtype", "In which dtype should the host keep the Adam moments "
         "(fp32/bf16/int8/int4)?")
+    if not fsdp2 and not ask.answers.get("delayed_update") and \
+            ask.answers.get("state_dtype", "fp32") == "fp32":
+        ask("overlap_step", "Start each bucket's CPU update during the step's last backward, "
+            "as soon as its gradient is on the host (exact; fp32 state)?")
     ask("host_memory_limit", "How much host memory may each process use for the optimizer "
         "state, with a unit (48GiB; 0: what the machine has available)?")
     if fsdp2:  # the engine refuses a fraction below 1 there (engine.py)
