@@ -38,11 +38,11 @@ from .checkpoint import load_master_state_dict, load_state_dict, master_state_di
 from .copier import PlacedCopier, make_copier
 from .delayed import DelayedUpdate
 from .fraction import make_placement
-from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report, human
+from .modes.fsdp2_offload import make_exchange
 from .params import ParamWatch, check_placement
 from .progress import Progress
 from .reorder import BucketOrder, relayout
