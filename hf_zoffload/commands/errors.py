@@ -15,11 +15,12 @@ import os
 import sys
 from collections.abc import Callable
 
+from hf_zoffload.config import TRACEBACK_ENV
+
 __all__ = ["USER_ERRORS", "TRACEBACK_ENV", "run_command"]
 
 USER_ERRORS = (ValueError, MemoryError, FileNotFoundError, NotADirectoryError,
                IsADirectoryError, PermissionError)
-TRACEBACK_ENV = "HF_ZOFFLOAD_TRACEBACK"
 
 
 def run_command(prog: str, main: Callable[[], object]) -> int:
