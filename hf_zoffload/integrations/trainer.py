@@ -381,7 +381,7 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
         for ckpt in reversed(sort_checkpoints(out)):  # newest first
             if not re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", os.path.basename(ckpt)):
                 continue  # what get_last_checkpoint takes: not checkpoint-4-old
-            why = completeness.why_incomplete(ckpt)
+            why = completeness.why_incomplete(ckpt) or completeness.nonfinite_problem(ckpt)
             if why is None:
                 if skipped and self.args.should_log:
                     logger.warning("resume_from_checkpoint=True: resuming from %s, the newest "
@@ -393,6 +393,18 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
                          + "; ".join(f"{c} is incomplete ({w})" for c, w in skipped)
                          + ". Start without resuming, or delete the broken checkpoints")
 
+    def _older_whole(self, ckpt: str) -> str:
+        """What a refusal of ``ckpt`` adds: the newest other checkpoint beside it that is
+        whole and finite, or that there is none."""
+        parent = os.path.dirname(os.path.abspath(ckpt))
+        whole = (c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(c, ckpt)
+                 and completeness.why_incomplete(c) is None
+                 and completeness.nonfinite_problem(c) is None)
+        found = next(whole, None)
+        return (f"The newest complete checkpoint is {found}: resume from it "
+                "(resume_from_checkpoint=True picks it)" if found else
+                f"No complete checkpoint in {parent}: start without resuming")
+
     def _zo_load_from_checkpoint(self, stock, resume_from_checkpoint) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
@@ -400,14 +412,18 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
             return stock()
         why = completeness.why_incomplete(ckpt)
         if why:
-            parent = os.path.dirname(os.path.abspath(ckpt))
-            whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
-                c, ckpt) and completeness.why_incomplete(c) is None]
-            raise ValueError(
-                f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
-                + (f"The newest complete checkpoint is {whole[0]}: resume from it "
-                   "(resume_from_checkpoint=True picks it)" if whole else
-                   f"No complete checkpoint in {parent}: start without resuming"))
+            raise ValueError(f"checkpoint {ckpt} is incomplete ({why}): its save was "
+                             f"interrupted. {self._older_whole(ckpt)}")
+        with _loading(ckpt, compat.OPTIMIZER_NAME):
+            why = completeness.nonfinite_problem(ckpt)
+        if why:
+            raise ValueError(f"checkpoint {ckpt}: {why}: its run had diverged when it saved, "
+                             f"or the file changed since; nothing was loaded. "
+                             f"{self._older_whole(ckpt)}")
+        changed = completeness.changed_since_saved(ckpt)
+        if changed and self.args.should_log:
+            logger.info("checkpoint %s changed since it was saved (%s); what a resume reads is "
+                        "whole: resuming from it", ckpt, "; ".join(changed))
         files = completeness.weight_files(ckpt)
         what = files[0] if len(files) == 1 else f"the weights ({', '.join(files)})" if files \
             else "the weights"
