@@ -143,6 +143,15 @@ class ZeroOffloadPlugin:
     max_grad_norm: float = _knob(
         0.0, "clip the global gradient norm to this value; 0 disables clipping.", minimum=0.0
     )
+    # 3: in bf16/fp32 the masters are non-finite from the first bad step on, so the stop
+    # comes 2 steps later with nothing saved in between; in fp16 a batch whose loss alone was
+    # non-finite is skipped, and the clean ones after it end the streak.
+    max_nonfinite_steps: int = _knob(
+        3, "consecutive optimizer steps with a non-finite loss or gradient norm after which "
+        "the run stops with an error naming the first (an fp16 overflow skip counts only "
+        "once the loss scale is at min_scale); the Trainer saves no checkpoint while such a "
+        "streak lasts. 0: never stop.", minimum=0
+    )
     kernels: str = _knob(
         "auto",
         "device kernels for unscale/inf-check/norm: auto (Triton on CUDA, torch on CPU), "

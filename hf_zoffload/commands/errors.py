@@ -19,8 +19,10 @@ from hf_zoffload.config import TRACEBACK_ENV
 
 __all__ = ["USER_ERRORS", "TRACEBACK_ENV", "run_command"]
 
+# FloatingPointError: the non-finite stop (integrations/nonfinite.py), whose message names
+# the first bad step and what to do.
 USER_ERRORS = (ValueError, MemoryError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
+               IsADirectoryError, PermissionError, FloatingPointError)
 
 
 def run_command(prog: str, main: Callable[[], object]) -> int:

@@ -104,6 +104,7 @@ from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
 from . import compat, completeness, core, fsdp2, parallel
+from .nonfinite import NonFiniteError
 from .arguments import (
     ALLOWED_OPTIMS,
     ZeroOffloadArgumentsMixin,
@@ -344,6 +345,8 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
             # evaluating, the end of training) first lands a pending delayed update.
             self.optimizer = self._plan.wire(self.accelerator, engine, [opt_model],
                                              replace=True)
+            # the Trainer's step numbers in the non-finite stop's messages
+            self.optimizer.nonfinite.step_number = lambda: self.state.global_step + 1
         return self.optimizer
 
     # A checkpoint is whole once its marker is there, written last (completeness.py says
@@ -353,6 +356,12 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
     def _zo_save_checkpoint(self, stock, trial) -> None:
         if not self.zero_offload:
             return stock()
+        stop = self.optimizer.nonfinite if self.engine is not None else None
+        if stop is not None and stop.in_streak:  # nonfinite.py: rotation keeps the finite one
+            logger.warning("ZeRO-Offload: checkpoint of step %d not saved: the loss or "
+                           "gradient norm has been non-finite since step %d (%s)",
+                           self.state.global_step, stop.first_bad, stop.first_what)
+            return None
         folder = compat.checkpoint_folder(self, trial)
         if self.args.should_save:
             completeness.remove_marker(folder)
@@ -366,7 +375,21 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
         self._attempts = 0  # of `_inner_training_loop` in this call (auto_find_batch_size)
         if self.zero_offload and resume_from_checkpoint is True:
             resume_from_checkpoint = self._newest_complete_checkpoint()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
+        stop = self.optimizer.nonfinite if self.engine is not None else None
+        if stop is not None and stop.in_streak:  # the weights a save_model now writes
+            raise NonFiniteError(
+                f"ZeRO-Offload: training ended {stop.streak} step(s) into a run of non-finite "
+                f"steps from step {stop.first_bad} ({stop.first_what}), fewer than "
+                f"max_nonfinite_steps={stop.limit}; no checkpoint was saved from step "
+                f"{stop.first_bad} on, and the model's weights are not to be saved")
+        return out
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if self.engine is not None:  # the raw loss: the Trainer's log filters non-finite ones
+            self.optimizer.nonfinite.observe_loss(loss)
+        return loss
 
     def _newest_complete_checkpoint(self) -> str | bool:
         """``resume_from_checkpoint=True``: the newest checkpoint in ``output_dir`` that
