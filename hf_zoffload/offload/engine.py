@@ -29,7 +29,7 @@ import time
 import torch
 
 from ..config import ZeroOffloadPlugin
-from ..ops.cpu_adam import check_hyper
+from ..ops.adam_kernels import check_hyper
 from ..ops.masters import SR_SEED, master_format
 from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
@@ -38,11 +38,11 @@ from .checkpoint import load_master_state_dict, load_state_dict, master_state_di
 from .copier import PlacedCopier, make_copier
 from .delayed import DelayedUpdate
 from .fraction import make_placement
-from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report, human
+from .modes.fsdp2_offload import make_exchange
 from .params import ParamWatch, check_placement
 from .progress import Progress
 from .reorder import BucketOrder, relayout

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from hf_zoffload import prepare_zero_offload
 from hf_zoffload.integrations import fsdp2
 from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
-from hf_zoffload.offload.fsdp2 import Fsdp2Exchange
+from hf_zoffload.offload.modes.fsdp2_offload import Fsdp2Exchange
 from tests._env import cpu_only_env
 from tests._preloaded import Preloaded
 from tests._tiny import batches, tiny_llama

@@ -1,4 +1,4 @@
-"""The engine's FSDP2 mode on the torch versions it meets (offload/fsdp2.py): torch 2.11's
+"""The engine's FSDP2 mode on the torch versions it meets (offload/modes/fsdp2_offload.py): torch 2.11's
 FSDP2 records (one param group per module state) beside 2.13's (a list), and 2.11's
 non-blocking copy of each gradient shard to the host, which the engine's grad hook must wait
 for ([Note: FSDP2's grad copy to the host]). A CPU has no pinned copy in flight, so a stub
@@ -10,7 +10,7 @@ import types
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload.fsdp2 import fsdp2_param_groups, fsdp2_params, fsdp2_states
+from hf_zoffload.offload.modes.fsdp2_offload import fsdp2_param_groups, fsdp2_params, fsdp2_states
 from tests.offload import _fsdp2_worker as w
 from tests.offload.test_fsdp2 import one_rank
 

@@ -14,8 +14,8 @@ import abc
 
 import torch
 
-from .copier import Copier
-from .state import Bucket
+from ..copier import Copier
+from ..state import Bucket
 
 
 def whole_params(parts: list) -> list:
