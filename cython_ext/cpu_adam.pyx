@@ -106,29 +106,29 @@ cdef void _many_parallel(const hz_adam_args *args, const size_t *start, Py_ssize
             _many_range(args, start, k, fn, lo, hi)
 
 
-cdef inline void _traffic_range(int q8, void *a, void *b, void *c, void *d, size_t lo,
+cdef inline void _traffic_range(int kind, void *a, void *b, void *c, void *d, size_t lo,
                                 size_t hi) noexcept nogil:
-    if q8:
+    if kind < 0:
         hz_traffic8_range(<float *>a, <unsigned short *>b, <unsigned char *>c,
                           <unsigned char *>d, lo, hi)
     else:
-        hz_traffic_range(<float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
+        hz_traffic_range(kind, <float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
 
 
-cdef void _traffic_parallel(int q8, void *a, void *b, void *c, void *d, size_t n,
+cdef void _traffic_parallel(int kind, void *a, void *b, void *c, void *d, size_t n,
                             int num_threads) noexcept nogil:
     cdef size_t chunk, lo, hi
     cdef Py_ssize_t k, nchunks
     num_threads = _threads_for(n, num_threads)
     if num_threads <= 1:
-        _traffic_range(q8, a, b, c, d, 0, n)
+        _traffic_range(kind, a, b, c, d, 0, n)
         return
     chunk = _chunk_for(n, num_threads, ALIGN)  # the kernel's split, so the ceiling is comparable
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for k in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>k * chunk
         hi = lo + chunk if lo + chunk < n else n
-        _traffic_range(q8, a, b, c, d, lo, hi)
+        _traffic_range(kind, a, b, c, d, lo, hi)
 
 
 def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size_t out16,
@@ -238,10 +238,19 @@ def adam_step_many(list ptrs, list ns, list grad_kinds, list which, list scalars
         free(start)
 
 
-def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads):
-    """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3)."""
+# The ways of the 28-B ceiling pass (adam_kernel.h's HZ_TRAFFIC_*), by name.
+TRAFFIC_KINDS = {"plain": 0, "unroll 4": 1, "prefetch 512": 2, "prefetch 2048": 3,
+                 "streaming stores": 4}
+
+
+def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads,
+                 int kind=HZ_TRAFFIC_PLAIN):
+    """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3),
+    moved the way ``kind`` (a value of TRAFFIC_KINDS) says."""
+    if kind < 0 or kind >= HZ_TRAFFIC_KINDS:
+        raise ValueError(f"traffic kind {kind}: one of {sorted(TRAFFIC_KINDS.values())}")
     with nogil:
-        _traffic_parallel(0, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
+        _traffic_parallel(kind, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
 
 
 def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes, size_t n,
@@ -249,7 +258,7 @@ def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes,
     """Memory ceiling over 8-bit moments: fp32 params, 16-bit grads and two code bytes, each
     read and written in place (16 B/param, the engine's int8 call less its block scales)."""
     with nogil:
-        _traffic_parallel(1, <void *>param, <void *>grad16, <void *>m_codes, <void *>v_codes, n,
+        _traffic_parallel(-1, <void *>param, <void *>grad16, <void *>m_codes, <void *>v_codes, n,
                           num_threads)
 
 

@@ -312,21 +312,28 @@ def test_unknown_variant_rejected():
 
 @pytest.mark.parametrize("n", [1, 7, 4097, 100_003])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_traffic_passes_touch_every_element_once(n, threads):
+@pytest.mark.parametrize("kind", sorted(ca._ext().TRAFFIC_KINDS))
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (3, 3, 3), (1, 0, 5)])
+def test_traffic_passes_touch_every_element_once(n, threads, kind, offsets):
     """The benchmark's memory ceilings: each stream read and written once over the whole range,
-    with the kernel's split across threads."""
+    with the kernel's split across threads, every way of moving the bytes, the written streams
+    starting off a 32-byte line together or apart (the streaming stores' alignment)."""
     ext = ca._ext()
-    a, b, c, d = (torch.arange(n, dtype=torch.float32) + k for k in range(4))
-    ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads)
     base = torch.arange(n, dtype=torch.float32)
+    a, b, c = (torch.empty(n + 8)[o:o + n].copy_(base + k) for k, o in enumerate(offsets))
+    d = base + 3
+    ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads,
+                     ext.TRAFFIC_KINDS[kind])
     for t, k in ((a, 0), (b, 1), (c, 2)):
         assert torch.equal(t, base + k + (base + 3))
     assert torch.equal(d, base + 3)
+    with pytest.raises(ValueError, match="traffic kind"):
+        ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads,
+                         len(ext.TRAFFIC_KINDS))
     p, g = torch.zeros(n), torch.full((n,), 5, dtype=torch.int16)
     mc, uc = torch.full((n,), 254, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     ext.traffic_pass_q8(p.data_ptr(), g.data_ptr(), mc.data_ptr(), uc.data_ptr(), n, threads)
     assert (p == 1).all() and (g == 6).all() and (mc == 255).all() and (uc == 1).all()
-
 
 
 # ------------------------------------------------------------------ adam_update_many
