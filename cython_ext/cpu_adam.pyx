@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Compiled one-pass CPU-Adam (module ``hf_zoffload.ops._cpu_adam``).
 
-Private: takes raw addresses and trusts them.  hf_zoffload.ops.cpu_adam validates every tensor
+Private: takes raw addresses and trusts them.  hf_zoffload.ops.adam_kernels validates every tensor
 (device, dtype, contiguity, numel, overlap) before it calls in here.
 """
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.cpu_adam import check_hyper
+from ..ops.adam_kernels import check_hyper
 from ..ops.masters import MASK32, SR_SEED
 from .support import is_dtensor
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 from ..config import ZeroOffloadPlugin
-from ..ops.cpu_adam import check_hyper
+from ..ops.adam_kernels import check_hyper
 from ..ops.masters import SR_SEED, master_format
 from ..ops.moments import moment_format
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_

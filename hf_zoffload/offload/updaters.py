@@ -11,7 +11,7 @@ import abc
 
 import torch
 
-from ..ops.cpu_adam import adam_update_unchecked
+from ..ops.adam_kernels import adam_update_unchecked
 from ..ops.device_adam import adam_update_device
 from ..ops.masters import step_key
 from .tiers import Tier

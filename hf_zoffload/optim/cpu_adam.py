@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from hf_zoffload.ops.cpu_adam import adam_update, check_hyper
+from hf_zoffload.ops.adam_kernels import adam_update, check_hyper
 
 __all__ = ["CPUAdam"]
 

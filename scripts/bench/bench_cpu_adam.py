@@ -52,7 +52,7 @@ import _interleave as il  # noqa: E402
 
 import hf_zoffload  # noqa: E402
 from hf_zoffload.commands.env import cpu_name  # noqa: E402
-from hf_zoffload.ops import cpu_adam as ca  # noqa: E402
+from hf_zoffload.ops import adam_kernels as ca  # noqa: E402
 from hf_zoffload.ops import moments as mo  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -283,7 +283,7 @@ def train(ids, vocab: int, name: str | None, steps: int) -> float:
 def speed(n: int, blocks: list[int], rounds: int) -> dict:
     """ms per int4 update of ``n`` elements per block size: the compiled kernel, one thread
     (fp32 master, bf16 grads in, bf16 params out)."""
-    from hf_zoffload.ops import cpu_adam as ca
+    from hf_zoffload.ops import adam_kernels as ca
     from hf_zoffload.ops import moments as mo
 
     torch.manual_seed(0)

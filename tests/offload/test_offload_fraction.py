@@ -24,7 +24,7 @@ from hf_zoffload.offload import fraction as frac_mod
 from hf_zoffload.offload.fraction import SAFETY_MARGIN, FixedFraction, suffix
 from hf_zoffload.offload.memory import estimate, estimate_with_fraction
 from hf_zoffload.offload.tiers import Tier
-from hf_zoffload.ops.cpu_adam import adam_update
+from hf_zoffload.ops.adam_kernels import adam_update
 from hf_zoffload.ops.device_adam import adam_update_device
 from tests._tiny import batches, decay_groups, tiny_gpt2
 from tests.offload import _dp_worker as w

@@ -1,7 +1,7 @@
 """CPUAdam as a drop-in for torch.optim.AdamW / torch.optim.Adam.
 
 Tolerance on parameters: atol = 2e-6 * lr_max * steps, rtol = 1e-6 * steps, derived in
-tests/ops/test_cpu_adam.py (only the denominator sqrt(v) / sqrt(bc2) + eps is computed
+tests/ops/test_adam_kernels.py (only the denominator sqrt(v) / sqrt(bc2) + eps is computed
 differently, by <= 3.5 ulp; everything else is the same fp32 op sequence).  Moments get 1e-5
 relative.  Only fp32 grads here: torch refuses a .grad of another dtype than the parameter
 (16-bit grads are covered on the kernel).
@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from hf_zoffload.ops.cpu_adam import adam_update_reference
+from hf_zoffload.ops.adam_kernels import adam_update_reference
 from hf_zoffload.optim.cpu_adam import CPUAdam
 
 SHAPES = [(1,), (7,), (22,), (4097,), (7, 3), (3, 5, 2)]

@@ -15,8 +15,8 @@ protocol), plus what FSDP2 needs: after the engine gave each param its compute-d
 tensor, FSDP2 re-reads it (as ``FSDPModule.to`` does), so that its sharded host param IS the
 engine's 16-bit copy and FSDP2 moves 16-bit both ways. resolve.py chooses it when ``model``
 holds FSDP2 modules, after `sharded_params` has refused, before anything changes, the FSDP2
-layouts it cannot train. The measured facts behind this: docs/design.md, "FSDP2 parameter
-offload".
+layouts it cannot train. The protocol: docs/protocols/exchange_fsdp2.md; the measured facts
+behind it: docs/measurements.md, "Protocol figures".
 
 FSDP2 keeps its per-param records (``FSDPParam``) in private attributes of its module state;
 they are read here only, in one place (`fsdp2_params`), for torch 2.13's layout.

@@ -8,8 +8,8 @@ optionally writes the new parameters rounded to fp16/bf16, all in one pass: 28 B
 
 Numerics follow torch's single-tensor Adam/AdamW on CPU op for op (same fp32 roundings, FMA at
 the same places), so results agree with torch.optim.AdamW to within a few fp32 ulps; see
-tests/ops/test_cpu_adam.py for the stated tolerance.  The 16-bit output is round-to-nearest-even,
-bit-equal to ``master.to(dtype)`` for every non-NaN value (inf, ties and subnormals included).
+tests/ops/test_adam_kernels.py for the stated tolerance.  The 16-bit output is round to nearest
+even, bit-equal to ``master.to(dtype)`` for every non-NaN value (inf, ties and subnormals included).
 A NaN becomes a quiet NaN with the same sign and top payload bits, which is what F16C and
 AVX512-BF16 hardware write; torch's own bf16 conversion writes 0xFFFF from its AVX2 body and
 0x7FC0 from its scalar path, so NaN is matched as NaN, not bit for bit, for bf16.

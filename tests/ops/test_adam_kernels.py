@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 
 SIZES = [1, 7, 22, 4097, 1_000_003]
 GRAD_DTYPES = [  # (grad dtype, atol per unit of lr per step, rtol per step): see module doc
