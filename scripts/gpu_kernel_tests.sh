@@ -19,7 +19,7 @@ kernel_run() {  # kernel_run LABEL: the CPU-Adam's tests on the hf_zoffload of t
 import sys
 
 from hf_zoffload.commands.env import SIMD_FLAGS
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 
 ext, feats = ca._ext(), ca.compiled_features()
 variants = [v for v in ("generic", "native", "avx2", "avx512bf16")
@@ -30,7 +30,7 @@ print(f"summary: {sys.argv[1]}: variants here {', '.join(variants)}; auto runs "
 EOF
     # test_scaling.py is not a CPU-Adam test: its CPU cases run Triton's interpreter, which
     # tests/conftest.py turns on only without CUDA; its gpu cases run in gpu_tests
-    "$PY" -m pytest tests/ops/test_cpu_adam.py tests/ops/test_moments.py -m "not gpu" -q \
+    "$PY" -m pytest tests/ops/test_adam_kernels.py tests/ops/test_moments.py -m "not gpu" -q \
         -p no:cacheprovider 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     echo "summary: $1: $(grep -E '[0-9]+ (passed|failed|error)' "$out" | tail -n 1 \

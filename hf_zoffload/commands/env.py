@@ -77,7 +77,7 @@ def simd_features() -> dict[str, bool]:
     """{cpuinfo flag: present}; from the kernel module when importable (it asks the CPU
     itself), else from /proc/cpuinfo."""
     try:
-        from hf_zoffload.ops.cpu_adam import cpu_features
+        from hf_zoffload.ops.adam_kernels import cpu_features
 
         found = cpu_features()
         return {flag: bool(found.get(flag, False)) for flag in SIMD_FLAGS}
@@ -93,16 +93,17 @@ def _simd() -> str:
 
 def _kernel() -> str:
     try:
-        cpu_adam = importlib.import_module("hf_zoffload.ops.cpu_adam")
+        kernels = importlib.import_module("hf_zoffload.ops.adam_kernels")
     except Exception as err:  # a broken install must not hide the rest of the report
-        return f"MISSING: hf_zoffload.ops.cpu_adam does not import ({type(err).__name__}: {err})"
+        return (f"MISSING: hf_zoffload.ops.adam_kernels does not import "
+                f"({type(err).__name__}: {err})")
     try:
-        omp = cpu_adam.openmp_available()
+        omp = kernels.openmp_available()
     except Exception as err:  # e.g. the compiled extension is not built
         return f"MISSING: compiled CPU-Adam not available ({type(err).__name__}: {err})"
     text = f"present, OpenMP {'yes' if omp else 'NO (runs on one thread)'}"
     try:
-        feats = cpu_adam.compiled_features()
+        feats = kernels.compiled_features()
         used = [SIMD_FLAGS[f] for f in SIMD_FLAGS if feats.get(f)]
         text += (f"; variant in use: {', '.join(used) or 'scalar'}; portable build: "
                  f"{'yes' if feats.get('portable_build') else 'no'}")

@@ -40,7 +40,7 @@ from ..config import (
     enabled_from_sources,
     sourced_values,
 )
-from ..ops.cpu_adam import check_hyper
+from ..ops.adam_kernels import check_hyper
 from ..ops.moments import moment_format
 from . import compat, fsdp2
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.cpu_adam import check_hyper
+from ..ops.adam_kernels import check_hyper
 from ..ops.moments import MomentFormat, moment_format
 from .support import check_params, is_sharded, local
 

@@ -18,6 +18,7 @@ from ..ops.masters import master_format
 from ..ops.moments import FORMATS, moment_format
 from .host import pinned_bytes, plan_blocks
 from .support import local
+from .tiers import Tier
 
 logger = logging.getLogger(__name__)
 _MIB = 1024**2
@@ -41,6 +42,7 @@ def estimate(
     pinned: bool = False,
     state_dtype: str = "fp32",
     master_dtype: str = "fp32",
+    overlap_step: bool = False,
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
@@ -49,7 +51,8 @@ def estimate(
     B/param) and both moments (``state_dtype``: fp32 8, bf16 4, int8 about 2, int4 about 1
     B/param) for this rank's ``1/world_size`` shard, the 16-bit gradient buffer (which the
     update's new params overwrite on their way back), a second gradient buffer for the delayed
-    update, and with ``grad_accumulation`` the buffers of micro-step accumulation
+    update or for ``overlap_step`` (where the early updates write their new params, so the
+    gradients stay for a correction), and with ``grad_accumulation`` the buffers of micro-step accumulation
     (`accumulation_needed`: with one process an fp32 sum per grad set, with N ranks whole
     unreduced buckets as well). ``pinned``: the gradient buffers are page-locked, held as the
     engine's pool holds them (host.py: power-of-two blocks of whole buckets), with buckets of
@@ -85,7 +88,7 @@ def estimate(
         "master": master.bytes_per_element() * shard,
         "exp_avg": moment,
         "exp_avg_sq": moment,
-        "grad_staging": staged(w) * (2 if delayed_update else 1),
+        "grad_staging": staged(w) * (2 if delayed_update or overlap_step else 1),
         "grad_accumulation": 0,
     }
     if grad_accumulation and n_params:
@@ -318,11 +321,13 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
-        if b.updater.on_device:  # counted on the device side: device_state_bytes
+        if b.tier is Tier.DEVICE:  # counted on the device side: device_state_bytes
             continue
         for kind, n in b.state.nbytes().items():
             host[kind] += n
     held = opt.host_pool.held()
+    if opt.plugin.overlap_step and ("grad16", 0) in held:  # its second set, from the first
+        held.setdefault(("grad16", 1), held[("grad16", 0)])  # early update on: counted ahead
     coming = _accumulation_coming(opt) if accumulates else {}
     for kind, n in coming.items():
         if kind[0] == "acc":
@@ -359,7 +364,7 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
                          master_dtype=opt.plugin.master_dtype)
     shards = sum(b.layout.shard for b in opt.buckets)
     report["offload_fraction"] = 1.0 - sum(b.layout.shard for b in opt.buckets
-                                           if b.updater.on_device) / max(1, shards)
+                                           if b.tier is Tier.DEVICE) / max(1, shards)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
@@ -400,13 +405,14 @@ def device_state_bytes(opt) -> dict[str, int]:
     """Bytes of the device buckets' state (``offload_fraction``): their fp32 master and
     moments with the fp32 accumulation sum (``optimizer_state``), and their gradient
     buffers, which stay on the device (``grad_resident``)."""
-    state = sum(n for b in opt.buckets if b.updater.on_device
+    state = sum(n for b in opt.buckets if b.tier is Tier.DEVICE
                 for n in b.state.nbytes().values())
     return {"optimizer_state": state, "grad_resident": sum(opt.host_pool.device_held().values())}
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
-                pinned: bool, master_dtype: str = "fp32") -> dict[str, int]:
+                pinned: bool, master_dtype: str = "fp32",
+                overlap_step: bool = False) -> dict[str, int]:
     """Host bytes the engine allocates for ``layouts`` (this rank's shards) when it is built
     and at its first step, by kind: the same arithmetic as `engine_report`, before anything
     is allocated. Buffers made only for gradient accumulation come later and are not
@@ -419,7 +425,7 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
     return {"master": master_format(master_dtype).bytes_per_element() * n, "moments": moments,
-            "grad_staging": grads * (2 if delayed_update else 1)}
+            "grad_staging": grads * (2 if delayed_update or overlap_step else 1)}
 
 
 def _read(path: str) -> str | None:
@@ -469,6 +475,7 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     def need(state_dtype):
         return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
                            delayed_update=plugin.delayed_update, pinned=pinned,
+                           overlap_step=plugin.overlap_step,
                            master_dtype=plugin.master_dtype)
 
     needed = need(plugin.state_dtype)

@@ -39,7 +39,7 @@ import _interleave as il  # noqa: E402
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin  # noqa: E402
 from hf_zoffload.commands.env import cpu_name  # noqa: E402
-from hf_zoffload.ops.cpu_adam import adam_update  # noqa: E402
+from hf_zoffload.ops.adam_kernels import adam_update  # noqa: E402
 
 
 def gpt2_shapes(n_layer=12, d=768, vocab=50257, ctx=1024):

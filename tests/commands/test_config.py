@@ -144,7 +144,7 @@ def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
     from hf_zoffload.commands import config
 
     prompts = []
-    answers = iter(["yes", "", "", "", "", "", "", "", "compute"])
+    answers = iter(["yes", "", "", "", "", "", "", "", "", "compute"])  # overlap_step: ""
 
     def answer(prompt=""):
         prompts.append(prompt)
@@ -248,11 +248,11 @@ def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, 
     assert not any("stay on the host" in p for p in prompts)
     assert "offload_fraction stays 1" in out
     # "no": optimizer offload alone, and offload_fraction is asked as before
-    prompts = _answers(monkeypatch, "yes", model, gpu, "no", *[""] * 8)
+    prompts = _answers(monkeypatch, "yes", model, gpu, "no", *[""] * 9)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     assert any("stay on the host" in p for p in prompts)
     # a GPU smaller than even that: still proposed (the most it saves), and said so
-    _answers(monkeypatch, "yes", model, "1KiB", "no", *[""] * 8)
+    _answers(monkeypatch, "yes", model, "1KiB", "no", *[""] * 9)
     config.ask_offload(mixed_precision="bf16", on_gpu=True)
     assert "of model states: that does not fit either)." in capsys.readouterr().out
 
@@ -263,15 +263,15 @@ def test_wizard_does_not_propose_fsdp2_offload_where_the_gpu_holds_the_model(mon
 
     model = _deep_llama(tmp_path)
     # fits: said so, no proposal; skipped (empty model); a typo asked again
-    prompts = _answers(monkeypatch, "yes", model, "80GiB", *[""] * 8)
+    prompts = _answers(monkeypatch, "yes", model, "80GiB", *[""] * 9)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     assert "that fits 80.00 GiB" in capsys.readouterr().out
     assert not any("Use FSDP2" in p for p in prompts)
-    prompts = _answers(monkeypatch, "yes", "", *[""] * 8)
+    prompts = _answers(monkeypatch, "yes", "", *[""] * 9)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     assert not any("How much memory" in p for p in prompts)
     prompts = _answers(monkeypatch, "yes", str(tmp_path / "nothing"), "7B", "24", "24GiB",
-                       *[""] * 8)
+                       *[""] * 9)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     out = capsys.readouterr().out
     assert "is neither a local config nor in the local cache (nothing is downloaded)" in out
@@ -286,12 +286,12 @@ def test_wizard_does_not_propose_fsdp2_offload_where_the_gpu_holds_the_model(mon
     from transformers import LlamaConfig
 
     LlamaConfig(**{**DEEP_LLAMA, "num_hidden_layers": 2}).save_pretrained(shallow)
-    prompts = _answers(monkeypatch, "yes", str(shallow), "1KiB", *[""] * 8)
+    prompts = _answers(monkeypatch, "yes", str(shallow), "1KiB", *[""] * 9)
     assert config.ask_offload(mixed_precision="bf16", on_gpu=True)[3] is False
     assert "no gain, so it is not proposed" in capsys.readouterr().out
     assert not any("Use FSDP2" in p for p in prompts)
     # CPU processes (accelerate's "CPU only"): no model question at all
-    prompts = _answers(monkeypatch, "yes", *[""] * 8)
+    prompts = _answers(monkeypatch, "yes", *[""] * 9)
     config.ask_offload(mixed_precision="bf16")
     assert not any("Which model" in p for p in prompts)
 

@@ -79,23 +79,23 @@ def test_version(capsys):
 
 def test_env_still_reports_without_the_kernel_and_with_a_bad_setting(monkeypatch, capsys):
     import hf_zoffload.ops
-    from hf_zoffload.ops import cpu_adam
+    from hf_zoffload.ops import adam_kernels
 
     monkeypatch.setitem(sys.modules, "hf_zoffload.ops._cpu_adam", None)  # not built
     monkeypatch.delattr(hf_zoffload.ops, "_cpu_adam", raising=False)
-    cpu_adam._ext.cache_clear()
+    adam_kernels._ext.cache_clear()
     monkeypatch.setenv("HF_ZOFFLOAD_BUCKET_SIZE_MB", "-3")
     try:
         assert main(["env"]) == 0
         out = capsys.readouterr().out
         assert "- CPU-Adam kernel: MISSING: compiled CPU-Adam not available" in out
-        monkeypatch.setitem(sys.modules, "hf_zoffload.ops.cpu_adam", None)  # broken install
-        monkeypatch.delattr(hf_zoffload.ops, "cpu_adam", raising=False)
+        monkeypatch.setitem(sys.modules, "hf_zoffload.ops.adam_kernels", None)  # broken install
+        monkeypatch.delattr(hf_zoffload.ops, "adam_kernels", raising=False)
         assert main(["env"]) == 0
         out = capsys.readouterr().out
-        assert "- CPU-Adam kernel: MISSING: hf_zoffload.ops.cpu_adam does not import" in out
+        assert "- CPU-Adam kernel: MISSING: hf_zoffload.ops.adam_kernels does not import" in out
     finally:
-        cpu_adam._ext.cache_clear()
+        adam_kernels._ext.cache_clear()
     assert "AVX-512F" in out  # from /proc/cpuinfo instead
     assert "- ZeRO-Offload config: unavailable (ValueError:" in out and "bucket_size_mb" in out
     assert "- accelerate version: " in out

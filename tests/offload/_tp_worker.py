@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload.support import local, local_grad
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 from hf_zoffload.ops import masters as ms
 from hf_zoffload.ops import moments as mo
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 from hf_zoffload.ops import masters as ms
 from hf_zoffload.ops import moments as mo
 

@@ -17,8 +17,9 @@ import torch
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload.schedules import Delayed, Overlapped, Synchronous, make_schedule
 from hf_zoffload.offload.schedules import inverse
+from hf_zoffload.offload.tiers import Tier
 from hf_zoffload.offload.update import Run
-from hf_zoffload.ops.cpu_adam import adam_update_reference
+from hf_zoffload.ops.adam_kernels import adam_update_reference
 from tests._tiny import batches, decay_groups, tiny_gpt2, tiny_llama
 
 LR = 3e-3
@@ -144,7 +145,7 @@ def test_bitwise_the_synchronous_step_where_speculation_holds(case):
     t = got["opt"].timings
     assert t["early_share"] > 0.5 and t["correction"] == 0.0 and t["hit_share"] == 1.0
     if case.get("offload_fraction"):  # device buckets keep their own update, at step()
-        assert any(b.updater.on_device for b in got["opt"].buckets)
+        assert any(b.tier is Tier.DEVICE for b in got["opt"].buckets)
 
 
 # -------------------------------------------------------------- corrections
@@ -365,3 +366,28 @@ def test_a_checkpoint_between_backward_and_step_holds_the_previous_state():
     # redone from the gradient at step(): within the bound of a step from the true state
     for a, b in zip(_host(ovo), _host(sync)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+
+
+# ------------------------------------------------------------------ memory
+def test_the_second_staging_set_is_counted_by_report_estimate_and_precheck():
+    """What the schedule keeps: a second set of 16-bit landing buffers (the early updates'
+    new params; the gradients stay for a correction), 2 B/param in bf16. memory_report()
+    counts it before it is allocated and after; estimate() and the host pre-check agree."""
+    from hf_zoffload.offload.memory import estimate, host_needed
+
+    sync = _train(steps=1, compute_dtype="bf16")["opt"]
+    ov_model = tiny_gpt2()
+    ov = _engine(ov_model, compute_dtype="bf16", overlap_step=True)
+    before = ov.memory_report()["host"]["grad_staging"]
+    _train(steps=2, opt=ov, model=ov_model)
+    after = ov.memory_report()["host"]["grad_staging"]
+    one = sync.memory_report()["host"]["grad_staging"]
+    assert before == after == 2 * one
+    n = sum(s.numel for b in ov.buckets for s in b.layout.slots)
+    assert estimate(n, compute_dtype="bf16", bucket_size_mb=BUCKET_MB,
+                    overlap_step=True)["host"]["grad_staging"] == 2 * n * 2
+    layouts = [b.layout for b in ov.buckets]
+    kw = dict(param_dtype=torch.bfloat16, state_dtype="fp32", delayed_update=False,
+              pinned=False)
+    assert host_needed(layouts, overlap_step=True, **kw)["grad_staging"] == \
+        2 * host_needed(layouts, **kw)["grad_staging"]

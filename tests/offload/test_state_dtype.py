@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 from hf_zoffload.ops import moments as mo
 
 LR, WD = 1e-2, 0.05

@@ -5,14 +5,14 @@ dtype, over several steps.
 Tolerance: the fused kernel computes the same fp32 formulas as torch's single-tensor AdamW but
 in its own order (it divides by sqrt(bc2) where the reference multiplies by 1 / sqrt(bc2),
 fuses the lerp differently): a few ulps of the update per step, the bound of
-tests/ops/test_cpu_adam.py (2e-6 lr per step + 1e-6 relative per step) with room to spare; a
+tests/ops/test_adam_kernels.py (2e-6 lr per step + 1e-6 relative per step) with room to spare; a
 lost grad_scale or weight decay is off by ~lr per step, 1000x more.
 """
 
 import pytest
 import torch
 
-from hf_zoffload.ops.cpu_adam import adam_update_reference
+from hf_zoffload.ops.adam_kernels import adam_update_reference
 from hf_zoffload.ops.device_adam import adam_update_device
 
 SIZES = [1, 7, 257, 4099]

@@ -5,7 +5,7 @@ over a bf16 master against the kernel over the same values in fp32 then rounded.
 import pytest
 import torch
 
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 from hf_zoffload.ops import masters as ms
 from hf_zoffload.ops import moments as mo
 

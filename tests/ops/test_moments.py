@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from hf_zoffload.ops import cpu_adam as ca
+from hf_zoffload.ops import adam_kernels as ca
 from hf_zoffload.ops import moments as mo
 
 ODD_SIZES = [1, 7, 255, 257, 4097, 1_000_003]
@@ -329,7 +329,7 @@ def test_bf16_state_matches_reference_within_one_rounding():
     m, _ = _moments(n, seed=4)
     m = m.clamp(-1, 1)
     # a state Adam could reach (|m| <= sqrt(v)): the update stays <= 3.2 lr, as in
-    # test_cpu_adam.py, whose tolerance this is
+    # test_adam_kernels.py, whose tolerance this is
     v = (m * m * (1 + torch.rand(n))).to(torch.bfloat16)
     m = m.to(torch.bfloat16)
     grad = _grad(n, torch.bfloat16, seed=5)

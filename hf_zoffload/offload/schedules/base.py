@@ -121,7 +121,7 @@ def plan_all(eng: Steps, grad_scale: float, *, in_place: bool) -> list[Work]:
 def update_now(eng: Steps, grad_scale: float) -> None:
     """Today's step: plan every bucket, run the CPU-Adam bucket by bucket in forward order,
     each bucket's params published as soon as it is done."""
-    work = plan_all(eng, grad_scale, in_place=eng.copier.updates_in_place(False))
+    work = plan_all(eng, grad_scale, in_place=eng.copier.streams.updates_in_place(False))
     commit(work, eng.param_steps)
     eng.timings["cpu_adam"], t_publish = run(
         work, copier=eng.copier, threads=eng.cpu_threads, publish=eng.exchange.publish,

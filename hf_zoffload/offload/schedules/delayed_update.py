@@ -35,7 +35,7 @@ class Delayed(Schedule):
         if not active:
             update_now(eng, grad_scale)
             return
-        work = plan_all(eng, grad_scale, in_place=eng.copier.updates_in_place(True))
+        work = plan_all(eng, grad_scale, in_place=eng.copier.streams.updates_in_place(True))
         commit(work, eng.param_steps)
         # The background update reads this step's grads while the next backward streams
         # new ones: the hooks get the other set of grad buffers.

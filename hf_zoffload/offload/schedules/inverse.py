@@ -39,7 +39,7 @@ def _f32(x: float) -> float:
 
 
 def coefficients(run, grad_scale: float) -> dict[str, float]:
-    """The kernel's fp32 scalars for ``run`` (as ops.cpu_adam.adam_update_unchecked derives
+    """The kernel's fp32 scalars for ``run`` (as ops.adam_kernels.adam_update_unchecked derives
     them in double before they are rounded)."""
     h = run.hyper
     b1, b2 = h["betas"]
@@ -47,13 +47,6 @@ def coefficients(run, grad_scale: float) -> dict[str, float]:
     return {"gs": _f32(grad_scale), "decay": _f32(1.0 - h["lr"] * h["weight_decay"]),
             "c": _f32(1.0 - b1), "b2": _f32(b2), "w2": _f32(1.0 - b2),
             "rbc2": _f32(1.0 / bc2**0.5), "eps": _f32(h["eps"]), "ns": _f32(-(h["lr"] / bc1))}
-
-
-def supported(b) -> bool:
-    """Whether `undo` can invert ``b``'s updates: fp32 master and moments on the host."""
-    s = b.state
-    return (not b.updater.on_device and s.fmt.name == "fp32"
-            and s.master.dtype == torch.float32)
 
 
 @torch.no_grad()

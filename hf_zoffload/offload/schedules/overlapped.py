@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..state import Bucket
+from ..tiers import Tier
 from ..threads import host_threads
 from ..update import Work, check_betas, commit, forward_order, out_for, plan, run
 from .base import Schedule, Steps
@@ -85,7 +86,7 @@ class Overlapped(Schedule):
         self._signalled = self._signalled or explicit or not final
 
     def landed(self, eng: Steps, b: Bucket) -> None:
-        if not self._final or self._stop or self._over or b.updater.on_device:
+        if not self._final or self._stop or self._over or b.tier is Tier.DEVICE:
             return
         if not all(b.window.present):  # with N ranks another rank may have more params
             return
@@ -116,7 +117,7 @@ class Overlapped(Schedule):
     def _update_early(self, eng: Steps, b: Bucket, threads: int) -> None:
         t0 = time.perf_counter()
         idx = b.layout.index
-        eng.copier.wait_landed(idx)
+        eng.copier.of(b).wait_landed(idx)
         if b.window.landed > 1:  # the last micro-step joins the window's fp32 sum
             b.state.grads.acc.add_(b.window.last)
             self._summed.add(idx)
@@ -176,7 +177,7 @@ class Overlapped(Schedule):
             self._account(early, stood=False, t_fix=time.perf_counter() - t0, eng=eng)
             return
         check_betas(eng.buckets, eng.param_groups)
-        in_place = eng.copier.updates_in_place(False)
+        in_place = eng.copier.streams.updates_in_place(False)
         t_adam = t_publish = 0.0
         done = []
         with host_threads(eng.cpu_threads):
@@ -210,7 +211,7 @@ class Overlapped(Schedule):
         if early:
             self.speculated += 1
             self.hits += stood
-        host = sum(b.layout.shard for b in eng.buckets if not b.updater.on_device)
+        host = sum(b.layout.shard for b in eng.buckets if b.tier is not Tier.DEVICE)
         self._last.update(correction=t_fix, early_share=sum(
             w.bucket.layout.shard for w in early.values()) / max(1, host),
             hidden_share=self._hidden / max(1, host))

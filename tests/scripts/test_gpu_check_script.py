@@ -19,7 +19,7 @@ import pytest
 
 from tests._env import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 # A module whose only gpu test is test_gpu_scale_tensors_refresh_without_sync; cheap to collect.
 GPU_TEST_FILE = "tests/optim/test_loss_scaler.py"
@@ -169,7 +169,7 @@ case "$*" in
   -) cat >/dev/null; echo "info gpu: Fake GPU"; echo "info torch: fake";;
   "- "*) cat >/dev/null; echo "summary: $2: variants here generic, native; auto runs native";;
   *setup.py*) echo built;;
-  *"-m pytest tests/ops/"*) [ -f tests/ops/test_cpu_adam.py ] || exit 4
+  *"-m pytest tests/ops/"*) [ -f tests/ops/test_adam_kernels.py ] || exit 4
     echo "298 passed in 6.00s";;
   *"tests/gpu/test_race.py::test_race_under_the_cuda_sanitizer")
     [[ "$*" == *"$t"*"/pytest -s "* ]] || exit 6
