@@ -392,9 +392,10 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if self.phase is Phase.FINALIZED:
             return self._stats
         self._end_backward()
-        self.schedule.end_window(self)  # nothing of the schedule reads the grads from here
         t0 = time.perf_counter()
         self.exchange.end_window()
+        self._tell_landed()  # reductions that finished only now (gloo) still go early
+        self.schedule.end_window(self)  # nothing of the schedule reads the grads from here
         live = [b for b in self.buckets if b.window.landed]
         for b in live:
             self.copier.of(b).wait_landed(b.layout.index)

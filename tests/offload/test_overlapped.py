@@ -170,7 +170,7 @@ def test_a_clipped_step_is_redone_within_the_derived_bound(ratio, ulps):
     ``ulps`` ulp of the larger of the master and its updates; clipped to a thousandth, a
     moment much smaller than the unclipped gradient's share (c |g| >> |m|) has lost low
     bits in the speculative step that the undo cannot recover, and only the bound holds
-    (docs/design.md, "the correction bound")."""
+    (docs/protocols/step.md, "The correction bound")."""
     runs = {}
     for name in ("sync", "overlap"):
         model = tiny_gpt2()

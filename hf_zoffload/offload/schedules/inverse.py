@@ -1,5 +1,5 @@
 """Undo one CPU-Adam step over fp32 state, from the gradient it read: the overlapped
-schedule's correction (docs/design.md, "Overlapped step: the correction bound").
+schedule's correction (docs/protocols/step.md, "The correction bound").
 
 The kernel's step (cython_ext/adam_kernel_body.h, AdamW, fp32 master and moments), with
 ``g = fl(grad * grad_scale)``, ``c = fl(1 - beta1)``, ``w2 = fl(1 - beta2)``:
