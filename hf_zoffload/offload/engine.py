@@ -97,6 +97,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     step i+1 runs on the params of step i-1: each gradient is applied one step late.
     ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` first finish a pending update.
 
+    Overlapped step (``plugin.overlap_step``): during the backward that ends the window,
+    each host bucket's CPU-Adam starts as soon as its gradient is on the host; ``step()``
+    validates it (the same plan: no clipping, no fp16 overflow, the same hyperparameters),
+    undoes and redoes what it must, and publishes the params. Bitwise the synchronous step
+    where speculation holds, else within the bound of docs/protocols/step.md. A loop that
+    accumulates tells the engine which micro-step is the last (``no_sync()`` for the
+    others, or accelerate's ``accumulate()``).
+
     Device buckets (``plugin.offload_fraction`` below 1, or ``auto``): the buckets of the
     first layers in forward order keep fp32 master weights and moments on the params' device
     and are updated there by torch's fused AdamW, their grads never leaving it; the rest as
