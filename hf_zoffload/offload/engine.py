@@ -39,7 +39,7 @@ from .checkpoint import load_master_state_dict, load_state_dict, master_state_di
 from .delayed import DelayedUpdate
 from .hooks import queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
-from .memory import engine_report
+from .memory import EngineFacts, engine_report
 from .params import ParamWatch, check_unmoved
 from .progress import Progress
 from .reorder import relayout
@@ -584,7 +584,11 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
         structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
         accumulation over micro-steps will add, allocated or not."""
-        return engine_report(self, accumulates=accumulates)
+        p = self.plugin
+        return engine_report(EngineFacts(
+            tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
+            self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
+            p.master_dtype, p.delayed_update), accumulates=accumulates)
 
 
 def _buckets(n: int) -> str:
