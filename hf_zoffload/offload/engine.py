@@ -239,6 +239,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if w.pending is None:
             self.exchange.open(b)
         dst = w.pending[lo:hi]
+        self.exchange.wait_for_grad(p)  # FSDP2 on torch 2.11: its copy may be in flight
         (dst.add_ if w.adds_to_sum else dst.copy_)(local_grad(p, p.grad).reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
         if w.arrive(i):

@@ -114,6 +114,10 @@ class Exchange(abc.ABC):
     def begin_backward(self) -> None:
         """At the first gradient of a backward."""
 
+    def wait_for_grad(self, param: torch.Tensor) -> None:
+        """In ``param``'s grad hook, before the engine reads ``param.grad``: wait until
+        whatever wrote it has finished (FSDP2's copy to the host, fsdp2_offload.py)."""
+
     @abc.abstractmethod
     def open(self, b: Bucket) -> None:
         """Give bucket ``b`` a device buffer for this backward (`Window.open`): its hooks
