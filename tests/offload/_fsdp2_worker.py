@@ -104,20 +104,23 @@ class Moved:
 
     def __init__(self):
         self.up, self.down, self.on = {}, {}, False
-        ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+        # the names FSDP2 calls: torch 2.13's, else 2.11's (the same arguments)
+        names = ("all_gather_single", "reduce_scatter_single") \
+            if hasattr(dist, "all_gather_single") else \
+            ("all_gather_into_tensor", "reduce_scatter_tensor")
+        ag, rs = (getattr(dist, n) for n in names)
 
-        def all_gather_single(output, input, **kw):
+        def all_gather(output, input, **kw):
             self._count(self.up, input)
             return ag(output, input, **kw)
 
-        def reduce_scatter_single(output, input, **kw):
+        def reduce_scatter(output, input, **kw):
             self._count(self.down, output)
             return rs(output=output, input=input, **kw)
 
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, \
-            reduce_scatter_single
-        self._restore = lambda: setattr(dist, "all_gather_single", ag) or \
-            setattr(dist, "reduce_scatter_single", rs)
+        for n, fn in zip(names, (all_gather, reduce_scatter)):
+            setattr(dist, n, fn)
+        self._restore = lambda: [setattr(dist, n, f) for n, f in zip(names, (ag, rs))]
 
     def _count(self, into, t):
         if self.on:
