@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Triton picks the interpreter when a kernel is *decorated*, so the switch must be set
-# before hf_zoffload.ops.scaling is imported anywhere (docs/design.md, Conventions; Triton 3.9).
+# before hf_zoffload.ops.scaling is imported anywhere (tests/README.md, Running; Triton 3.9).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "hf_zoffload"
-# offload/ in dependency order: a file may import only files listed before it.
+# offload/ in dependency order, sub-packages' files dotted: a file may import only files
+# listed before it.
 OFFLOAD_ORDER = ["support", "layout", "host", "threads", "copier", "updaters", "state",
-                 "exchange", "collectives", "partitioned", "tensor_parallel", "fsdp2", "delayed",
+                 "modes.exchange", "modes.collectives", "modes.partitioned",
+                 "modes.tensor_parallel", "modes.fsdp2_offload", "delayed",
                  "update", "params", "memory", "fraction", "progress", "checkpoint", "hooks",
                  "reorder", "engine"]
 
@@ -79,13 +81,19 @@ def test_no_import_cycle():
         visit(m, [])
 
 
+def _offload_files() -> list[str]:
+    """offload/'s modules, dotted below it (``modes.exchange``); packages' __init__ aside."""
+    return sorted(".".join(p.relative_to(PKG / "offload").with_suffix("").parts)
+                  for p in (PKG / "offload").rglob("*.py") if p.stem != "__init__")
+
+
 @pytest.mark.parametrize("name", OFFLOAD_ORDER)
 def test_offload_imports_only_earlier_files(name):
-    assert sorted(p.stem for p in (PKG / "offload").glob("*.py") if p.stem != "__init__") == \
-        sorted(OFFLOAD_ORDER), "a new offload/ file: place it in OFFLOAD_ORDER"
+    assert _offload_files() == sorted(OFFLOAD_ORDER), \
+        "a new offload/ file: place it in OFFLOAD_ORDER"
     earlier = {f"hf_zoffload.offload.{n}" for n in OFFLOAD_ORDER[:OFFLOAD_ORDER.index(name)]}
-    deps = {d for d, _ in _imports(PKG / "offload" / f"{name}.py")
-            if d.startswith("hf_zoffload.offload.")}
+    deps = {d for d, _ in _imports(PKG / "offload" / f"{name.replace('.', '/')}.py")
+            if d.startswith("hf_zoffload.offload.") and d != "hf_zoffload.offload.modes"}
     assert deps <= earlier, f"offload/{name}.py imports {sorted(deps - earlier)}"
 
 

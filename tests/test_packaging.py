@@ -23,7 +23,7 @@ def test_sdist_files(tmp_path):
     package = {str(p.relative_to(ROOT)) for p in (ROOT / "hf_zoffload").rglob("*.py")}
     kernel = {str(p.relative_to(ROOT)) for p in (ROOT / "cython_ext").iterdir()
               if p.suffix in (".pyx", ".pxd", ".h")}
-    docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
+    docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
     assert kernel >= {"cython_ext/cpu_adam.pyx", "cython_ext/cpu_adam.pxd",
                       "cython_ext/adam_kernel.h"}
     assert ours == package | kernel | docs | {

@@ -45,7 +45,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 
 from ..config import ZeroOffloadPlugin, check_values, enabled_from_sources, sourced_values
 from ..offload.engine import ZeroOffloadOptimizer
-from ..offload.fsdp2 import fsdp2_states
+from ..offload.modes.fsdp2_offload import fsdp2_states
 from . import core, parallel
 from .plan import ACCELERATE, make_plan, prepare_unwrapped
 

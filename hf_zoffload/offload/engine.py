@@ -38,11 +38,11 @@ from .checkpoint import load_master_state_dict, load_state_dict, master_state_di
 from .copier import PlacedCopier, make_copier
 from .delayed import DelayedUpdate
 from .fraction import make_placement
-from .fsdp2 import make_exchange
 from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .layout import build_layouts, collect_slots
 from .memory import check_host_memory, engine_report, human
+from .modes.fsdp2_offload import make_exchange
 from .params import ParamWatch, check_placement
 from .progress import Progress
 from .reorder import BucketOrder, relayout
@@ -312,6 +312,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if w.pending is None:
             self.exchange.open(b)
         dst = w.pending[lo:hi]
+        self.exchange.wait_for_grad(p)  # FSDP2 on torch 2.11: its copy may be in flight
         (dst.add_ if w.adds_to_sum else dst.copy_)(local_grad(p, p.grad).reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
         if w.arrive(i):

@@ -2,7 +2,7 @@
 they run past a few seconds, and a line after with the seconds and the rate.
 
 Allocating (and on CUDA pinning) the host state and the re-layout after the first step touch
-every byte of it once: 0.2-1.6 GiB/s on the 2-vCPU EPYC (docs/design.md, "Host memory"),
+every byte of it once: 0.2-1.6 GiB/s on the 2-vCPU EPYC (docs/measurements.md, "Protocol figures"),
 minutes for a 7B model's 50-90 GiB on a small host. Without a word they look like a hang.
 """
 

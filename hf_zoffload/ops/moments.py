@@ -28,7 +28,8 @@ import torch
 from ._native import ext
 
 # Elements per block of the 8-bit code: one fp32 scale per 256 elements is 1/64 B per param
-# and moment; 256 also keeps a block's three fp32 tiles (3 KiB) in L1 (docs/design.md).
+# and moment; 256 also keeps a block's three fp32 tiles (3 KiB) in L1
+# (docs/protocols/state_formats.md).
 QBLOCK = 256
 # Code layout (adam_kernel.h): mantissa bits, the code of 1.0, exponent bias of the code.
 _M_BITS, _U_BITS = 3, 4

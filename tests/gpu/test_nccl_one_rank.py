@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zoffload.offload.exchange import LocalExchange
 from hf_zoffload.offload.memory import human
-from hf_zoffload.offload.partitioned import PartitionedExchange
+from hf_zoffload.offload.modes.exchange import LocalExchange
+from hf_zoffload.offload.modes.partitioned import PartitionedExchange
 from tests.gpu import _common as common
 from tests.gpu._common import Config
 

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolic
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload.fsdp2 import Fsdp2Exchange
+from hf_zoffload.offload.modes.fsdp2_offload import Fsdp2Exchange
 from tests.offload import _dp_worker as dpw
 from tests.offload import _fsdp2_worker as w
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload.collectives import wants_sync
-from hf_zoffload.offload.exchange import LocalExchange
-from hf_zoffload.offload.partitioned import PartitionedExchange
+from hf_zoffload.offload.modes.collectives import wants_sync
+from hf_zoffload.offload.modes.exchange import LocalExchange
+from hf_zoffload.offload.modes.partitioned import PartitionedExchange
 from hf_zoffload.offload.support import check_model
 from tests.offload import _dp_worker as w
 

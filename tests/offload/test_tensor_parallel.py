@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
+from hf_zoffload.offload.modes.tensor_parallel import TensorParallelExchange
 from hf_zoffload.offload.support import check_model
-from hf_zoffload.offload.tensor_parallel import TensorParallelExchange
 from tests.offload import _dp_worker as dpw
 from tests.offload import _tp_worker as w
 

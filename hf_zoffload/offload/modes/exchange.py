@@ -14,8 +14,8 @@ import abc
 
 import torch
 
-from .copier import Copier
-from .state import Bucket
+from ..copier import Copier
+from ..state import Bucket
 
 
 def whole_params(parts: list) -> list:
@@ -55,6 +55,10 @@ class Exchange(abc.ABC):
     # ------------------------------------------------------------ backward
     def begin_backward(self) -> None:
         """At the first gradient of a backward."""
+
+    def wait_for_grad(self, param: torch.Tensor) -> None:
+        """In ``param``'s grad hook, before the engine reads ``param.grad``: wait until
+        whatever wrote it has finished (FSDP2's copy to the host, fsdp2.py)."""
 
     @abc.abstractmethod
     def open(self, b: Bucket) -> None:
@@ -179,6 +183,9 @@ class ForwardingExchange(Exchange):
 
     def begin_backward(self) -> None:
         self.inner.begin_backward()
+
+    def wait_for_grad(self, param) -> None:
+        self.inner.wait_for_grad(param)
 
     def open(self, b: Bucket) -> None:
         self.inner.open(b)

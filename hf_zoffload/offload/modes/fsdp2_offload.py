@@ -14,11 +14,23 @@ and a load's local part are the same protocol), plus what FSDP2 needs: after the
 each param its compute-dtype local tensor, FSDP2 re-reads it (as ``FSDPModule.to`` does), so
 that its sharded host param IS the engine's 16-bit copy and FSDP2 moves 16-bit both ways.
 `make_exchange` chooses it when ``model`` holds FSDP2 modules, and refuses, before anything
-changes, the FSDP2 layouts it cannot train. The measured facts behind this: docs/design.md,
-"FSDP2 parameter offload".
+changes, the FSDP2 layouts it cannot train. The protocol: docs/protocols/exchange_fsdp2.md; the
+measured facts behind it: docs/measurements.md, "Protocol figures".
 
 FSDP2 keeps its per-param records (``FSDPParam``) in private attributes of its module state;
-they are read here only, in one place (`fsdp2_params`), for torch 2.13's layout.
+they are read here only, in one place (`fsdp2_param_groups`), in both of torch's layouts: 2.11's
+``FSDPState._fsdp_param_group`` (one group or None) and 2.13's ``_fsdp_param_groups`` (a list,
+with per-param meshes; 2.13 keeps the singular as a property that raises beside several groups).
+
+[Note: FSDP2's grad copy to the host]: with CPU offload and pinned memory, FSDP2's reduce-scatter
+copies each rank's reduced gradient shard to the host and then calls the sharded param's
+post-accumulate-grad hooks, where the engine reads ``.grad``. torch 2.11 makes that copy
+non-blocking (it records ``FSDPParam.grad_offload_event`` on the copy's stream) and waits for
+the event only in ``finalize_backward``, after the hooks: a hook that reads at once reads pages
+still being written. torch 2.13 copies synchronously when the param has such a hook (no event).
+So the engine's hook first waits for the param's event when FSDP2 recorded one
+(`Fsdp2Exchange.wait_for_grad`): on 2.11 one host wait per param, as in FSDP2's own
+``finalize_backward``, a no-op where the copy was synchronous.
 """
 
 from __future__ import annotations
@@ -38,9 +50,19 @@ def fsdp2_states(model: torch.nn.Module | None) -> list:
     return [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp2_param_groups(state) -> list:
+    """The ``FSDPParamGroup``s of one FSDP2 module ``state`` (module docstring: torch 2.13's
+    list, else 2.11's one group or None)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def fsdp2_params(states: list) -> dict:
     """id(sharded param) -> its ``FSDPParam``, over ``states``' param groups."""
-    return {id(fp.sharded_param): fp for st in states for pg in st._fsdp_param_groups
+    return {id(fp.sharded_param): fp for st in states for pg in fsdp2_param_groups(st)
             for fp in pg.fsdp_params}
 
 
@@ -53,6 +75,10 @@ class Fsdp2Exchange(TensorParallelExchange):
                          device=torch.device(mesh.device_type))
         self.params_on_host = True  # FSDP2's sharded params are the host's 16-bit copy
         self.fsdp_params = fsdp_params
+        self._note_params()
+
+    def _note_params(self) -> None:
+        self._fsdp_param_of = {id(fp.sharded_param): fp for fp in self.fsdp_params}
 
     def placed(self) -> None:
         """FSDP2 re-reads each param's local tensor (`state.place` gave it a new one in the
@@ -63,6 +89,14 @@ class Fsdp2Exchange(TensorParallelExchange):
         with torch.no_grad():
             for fp in self.fsdp_params:
                 fp.reset_sharded_param()
+        self._note_params()  # reset_sharded_param follows a param the module swapped
+
+    def wait_for_grad(self, param) -> None:
+        """See [Note: FSDP2's grad copy to the host]."""
+        event = getattr(self._fsdp_param_of.get(id(param)), "grad_offload_event", None)
+        if event is not None:
+            event.synchronize()
+        super().wait_for_grad(param)
 
 
 def _why_not(states, found, slots, *, process_group, dtype) -> str | None:

@@ -22,10 +22,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..host import HostPool
+from ..state import Bucket
 from .collectives import Collectives, resolve_group, wants_sync
 from .exchange import Exchange, LocalExchange
-from .host import HostPool
-from .state import Bucket
 
 
 @dataclass(eq=False)

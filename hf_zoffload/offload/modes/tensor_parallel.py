@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..state import Bucket
 from .collectives import Collectives, resolve_group
 from .exchange import Exchange, ForwardingExchange, LocalExchange
 from .partitioned import PartitionedExchange
 from .partitioned import make_exchange as make_plain_exchange
-from .state import Bucket
 
 
 class TensorParallelExchange(ForwardingExchange):
