@@ -18,6 +18,7 @@ from ..ops.masters import master_format
 from ..ops.moments import FORMATS, moment_format
 from .host import pinned_bytes, plan_blocks
 from .support import local
+from .tiers import Tier
 
 logger = logging.getLogger(__name__)
 _MIB = 1024**2
@@ -318,7 +319,7 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     host = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "grad_staging",
                           "grad_accumulation"), 0)
     for b in opt.buckets:
-        if b.updater.on_device:  # counted on the device side: device_state_bytes
+        if b.tier is Tier.DEVICE:  # counted on the device side: device_state_bytes
             continue
         for kind, n in b.state.nbytes().items():
             host[kind] += n
@@ -359,7 +360,7 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
                          master_dtype=opt.plugin.master_dtype)
     shards = sum(b.layout.shard for b in opt.buckets)
     report["offload_fraction"] = 1.0 - sum(b.layout.shard for b in opt.buckets
-                                           if b.updater.on_device) / max(1, shards)
+                                           if b.tier is Tier.DEVICE) / max(1, shards)
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
@@ -400,7 +401,7 @@ def device_state_bytes(opt) -> dict[str, int]:
     """Bytes of the device buckets' state (``offload_fraction``): their fp32 master and
     moments with the fp32 accumulation sum (``optimizer_state``), and their gradient
     buffers, which stay on the device (``grad_resident``)."""
-    state = sum(n for b in opt.buckets if b.updater.on_device
+    state = sum(n for b in opt.buckets if b.tier is Tier.DEVICE
                 for n in b.state.nbytes().values())
     return {"optimizer_state": state, "grad_resident": sum(opt.host_pool.device_held().values())}
 

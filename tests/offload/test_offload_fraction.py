@@ -23,6 +23,7 @@ from hf_zoffload.commands.main import main
 from hf_zoffload.offload import fraction as frac_mod
 from hf_zoffload.offload.fraction import SAFETY_MARGIN, FixedFraction, suffix
 from hf_zoffload.offload.memory import estimate, estimate_with_fraction
+from hf_zoffload.offload.tiers import Tier
 from hf_zoffload.ops.adam_kernels import adam_update
 from hf_zoffload.ops.device_adam import adam_update_device
 from tests._tiny import batches, decay_groups, tiny_gpt2
@@ -41,7 +42,7 @@ ENGINE_DEFAULTS = dict(lr=LR, compute_dtype="fp32", bucket_size_mb=MB, model=Tru
 
 
 def _on_device(opt):
-    return [b.layout.index for b in opt.buckets if b.updater.on_device]
+    return [b.layout.index for b in opt.buckets if b.tier is Tier.DEVICE]
 
 
 def _state(opt):
@@ -53,10 +54,10 @@ def _state(opt):
 def test_the_last_buckets_go_to_the_device_and_the_host_keeps_at_least_the_fraction():
     layouts = [type("L", (), {"index": i, "shard": n}) for i, n in enumerate([5, 3, 4, 4])]
     assert suffix(layouts, lambda n: n <= 8) == {2, 3}
-    assert FixedFraction(1).resident(layouts) == set()
-    assert FixedFraction(0).resident(layouts) == {0, 1, 2, 3}
-    assert FixedFraction(0.5).resident(layouts) == {2, 3}  # 8 of 16 on the device
-    assert FixedFraction(0.55).resident(layouts) == {3}  # 8 would leave 50% < 55% on host
+    assert FixedFraction(1).on_device(layouts) == set()
+    assert FixedFraction(0).on_device(layouts) == {0, 1, 2, 3}
+    assert FixedFraction(0.5).on_device(layouts) == {2, 3}  # 8 of 16 on the device
+    assert FixedFraction(0.55).on_device(layouts) == {3}  # 8 would leave 50% < 55% on host
 
 
 @pytest.mark.slow
@@ -98,7 +99,7 @@ def test_first_step_each_param_is_bitwise_its_all_host_or_all_device_run(compute
         for ids in batches(2):
             opt.backward(model(input_ids=ids, labels=ids).loss)
         opt.clip_grad_norm_(0.3)
-        where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+        where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
         opt.step()
         runs[f] = ([p.detach().clone() for p in model.parameters()],
                    [opt.host_views(p)["master"].clone() for p in model.parameters()],
@@ -121,7 +122,7 @@ def test_state_dtype_applies_to_the_host_buckets_only(state_dtype, make_engine):
     opt = make_engine(model, compute_dtype="bf16", state_dtype=state_dtype, offload_fraction=0.5)
     host_dtype = {"bf16": torch.bfloat16, "int8": torch.uint8}[state_dtype]
     for b in opt.buckets:
-        want = torch.float32 if b.updater.on_device else host_dtype
+        want = torch.float32 if b.tier is Tier.DEVICE else host_dtype
         assert b.state.exp_avg.dtype == want and b.state.exp_avg_sq.dtype == want
     ref = tiny_gpt2()
     ref_opt = make_engine(ref, compute_dtype="bf16", state_dtype=state_dtype)  # all host
@@ -129,12 +130,12 @@ def test_state_dtype_applies_to_the_host_buckets_only(state_dtype, make_engine):
         for m, o in ((model, opt), (ref, ref_opt)):
             m(input_ids=ids, labels=ids).loss.backward()
             o.step()
-    where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+    where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
     for p, q in zip(model.parameters(), ref.parameters()):
         if not where[id(p)]:  # the host buckets ran the same compact kernel on the same grads
             assert torch.equal(p, q)
     for b in opt.buckets:  # still split after the re-layout, still compact on the host
-        assert b.state.exp_avg.dtype == (torch.float32 if b.updater.on_device else host_dtype)
+        assert b.state.exp_avg.dtype == (torch.float32 if b.tier is Tier.DEVICE else host_dtype)
 
 
 def test_fp16_overflow_leaves_device_and_host_state_untouched(make_engine):
@@ -185,7 +186,7 @@ class _SplitReference:
 
 
 def _placements(opt, model):
-    where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+    where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
     return [where[id(p)] for p in model.parameters()]
 
 
@@ -367,12 +368,12 @@ def test_auto_keeps_on_the_device_what_the_first_step_left_free(monkeypatch, cap
     have = 1900 * 1024 if limit else total
     budget = int(have * (1 - SAFETY_MARGIN)) - peak
     per = 12 + 4  # fp32 master and moments, fp32 grad buffer; no accumulation here
-    n_dev = sum(b.layout.shard for b in opt.buckets if b.updater.on_device)
+    n_dev = sum(b.layout.shard for b in opt.buckets if b.tier is Tier.DEVICE)
     if budget <= 0:
         assert n_dev == 0
     else:
         assert 0 < n_dev * per <= budget
-        nxt = [b for b in opt.buckets if not b.updater.on_device][-1]  # the next one out
+        nxt = [b for b in opt.buckets if b.tier is not Tier.DEVICE][-1]  # the next one out
         assert (n_dev + nxt.layout.shard) * per > budget
     lines = [r.getMessage() for r in caplog.records if "offload_fraction auto" in r.getMessage()]
     assert len(lines) == 1 and ("device_memory_limit" if limit else "device's total") in lines[0]
