@@ -589,7 +589,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         return engine_report(EngineFacts(
             tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
             self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
-            p.master_dtype, p.delayed_update), accumulates=accumulates)
+            p.master_dtype, p.delayed_update, p.offload_fraction_value), accumulates=accumulates)
 
 
 def _buckets(n: int) -> str:
