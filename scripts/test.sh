@@ -3,6 +3,8 @@
 #   bash scripts/test.sh            # every test (what CI runs)
 #   bash scripts/test.sh --fast     # every test not marked `slow` (the developers' tier)
 #   bash scripts/test.sh [--fast] PYTEST_ARGS...   # e.g. tests/offload -k relayout
+#   bash scripts/test.sh --stack device [--fast] ... # the same in a second venv with the GPU
+#                                   # machine's stack (scripts/gpu/setup_stack.sh), built once
 # Runs the tests in one worker process per core (pytest-xdist, each test file on one worker so
 # that its module fixtures run once); `-n 0` among the arguments runs them in this process.
 # Prints the 15 slowest tests at the end. Exits non-zero on any failure, and when no test was
@@ -10,11 +12,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=()
-if [ "${1:-}" = "--fast" ]; then
-    shift
-    tier=(-m "not slow")
+stack=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --fast) tier=(-m "not slow"); shift ;;
+        --stack)
+            if [ "${2:-}" != "device" ]; then
+                echo "test.sh: --stack takes one value, device (the GPU machine's versions);" \
+                    "got '${2:-}'" >&2
+                exit 2
+            fi
+            stack=device; shift 2 ;;
+        *) break ;;
+    esac
+done
+if [ "$stack" = device ]; then
+    source scripts/gpu/setup_stack.sh
+else
+    source scripts/_setup_env.sh
 fi
-source scripts/_setup_env.sh
 # One torch thread per worker and per process a test starts without its own setting (the
 # caller's OMP_* win): beside a second worker, two threads each oversubscribe the cores and
 # OpenMP's spinning waits burn the other worker's time. Measured on 2 cores, 10 in-process

@@ -107,6 +107,10 @@ class TrainerInternals:
     def _build_accelerator_args(self, **kwargs):
         return self._zo_accelerator_args(super()._build_accelerator_args(**kwargs))
 
+    # 5.17 and 5.24 call it in __init__ once the accelerator exists (place_model_on_device),
+    # and in _inner_training_loop after model_init and with fp16/bf16_full_eval: each move
+    # of the model for training. (An evaluation before training moves it otherwise: the
+    # evaluation loop's own .to() with fp16/bf16_full_eval, accelerate's prepare_model.)
     def _move_model_to_device(self, model, device):
         if self._zo_keeps_on_host(model):
             return None

@@ -78,8 +78,11 @@ the accelerator exists; the private Trainer methods taken part in are `compat.Tr
   fp32 masters) and ``optimizer.pt`` (gathered on rank 0), so they resume with another number
   of ranks and without FSDP; ``load_best_model_at_end`` loads the best one into FSDP2's
   shards and the masters (core.take_whole_tensors). Other FSDP layouts are refused by the
-  arguments. A model sharded by hand (``fully_shard`` with ``CPUOffloadPolicy``) without
-  ``--fsdp`` is trained the same way: it is not moved to the device (`_move_model_to_device`).
+  arguments. The whole model is never moved to the device: the arguments say
+  ``place_model_on_device=False``, and `_move_model_to_device` declines the Trainer's other
+  moves (``--fp16_full_eval`` / ``--bf16_full_eval`` at the start of training). A
+  model sharded by hand (``fully_shard`` with ``CPUOffloadPolicy``) without ``--fsdp`` is
+  trained the same way: it is not moved to the device either.
 """
 
 from __future__ import annotations
@@ -297,7 +300,13 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
     def _zo_keeps_on_host(self, model) -> bool:
         # FSDP2 keeps each rank's shard on the host (CPUOffloadPolicy) and copies a layer's
         # to the device for its forward and backward; .to(device) would move the shards.
-        return self.zero_offload and fsdp2.is_sharded(model)
+        # With an FSDP plugin the model is still whole when the Trainer would move it
+        # (compat.TrainerInternals): create_optimizer shards it from the host, so no device
+        # holds it whole (fully_shard cuts one group at a time, through the device).
+        if not self.zero_offload:
+            return False
+        return fsdp2.is_sharded(model) or (self._plan is not None
+                                           and self._plan.fsdp is not None)
 
     def _zo_accelerator_args(self, out: dict) -> dict:
         if self.zero_offload:

@@ -25,7 +25,7 @@ from hf_zoffload.integrations.trainer import ZeroOffloadTrainer, ZeroOffloadTrai
 from hf_zoffload.offload.modes.fsdp2_offload import Fsdp2Exchange
 from tests._env import cpu_only_env
 from tests._preloaded import Preloaded
-from tests._tiny import batches, tiny_llama
+from tests._tiny import TokenBlocks, batches, tiny_llama
 from tests.integrations import _fsdp2_worker as tw
 from tests.offload import _fsdp2_worker as w
 from tests.offload.test_fsdp2 import ATOL, RTOL, _close_every_step, one_rank, reference
@@ -457,3 +457,38 @@ def test_trainer_fsdp_load_best_model_at_end(runs, run):
     for n, x in want.items():
         assert torch.equal(got["masters"][n], x), n
         assert torch.equal(got["params"][n], x.bfloat16().float()), n  # the masters rounded
+
+
+
+@pytest.mark.parametrize("full_eval", [None, "bf16_full_eval"])
+def test_trainer_fsdp_never_moves_the_whole_model_to_the_device(tmp_path, monkeypatch,
+                                                                full_eval):
+    """``--fsdp "full_shard offload"`` (issue 33, defect 4): the model is whole until
+    ``create_optimizer`` shards it, and any move of it to the device before then would put the
+    whole model there (on a GPU, a model larger than the device, the case this mode is for,
+    runs out of memory). The Trainer moves its model when it is built, after ``model_init``,
+    and at the start of training with ``--bf16_full_eval`` (which the arguments' own
+    ``place_model_on_device=False`` does not cover); nothing moves it, and it is sharded on
+    the host."""
+    moves = []
+
+    def to(*a, **k):
+        moves.append((a, k))
+    with tw.one_rank(monkeypatch):  # --fsdp needs a distributed run
+        args = ZeroOffloadTrainingArguments(
+            output_dir=str(tmp_path), zero_offload=True, use_cpu=True, fsdp=tw.FSDP,
+            report_to=[], max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+            disable_tqdm=True, dataloader_pin_memory=False, **({full_eval: True} if full_eval
+                                                              else {}))
+        model = tiny_llama()
+        model.to = to
+        trainer = ZeroOffloadTrainer(model=model, args=args,
+                                     train_dataset=TokenBlocks(4, vocab=tw.VOCAB, seq=tw.SEQ))
+        assert moves == [] and not fsdp2.is_sharded(model)
+        fresh = tiny_llama()  # what model_init gives the training loop, which moves it
+        fresh.to = to
+        trainer._move_model_to_device(fresh, args.device)
+        assert moves == []
+        trainer.train()
+        assert fsdp2.is_sharded(model) and trainer.state.global_step == 1
+    assert moves == []

@@ -19,7 +19,7 @@ import pytest
 
 from tests._env import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 # A module whose only gpu test is test_gpu_scale_tensors_refresh_without_sync; cheap to collect.
 GPU_TEST_FILE = "tests/optim/test_loss_scaler.py"

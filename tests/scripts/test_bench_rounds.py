@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 
 def _load(name, monkeypatch):
