@@ -37,6 +37,7 @@ NOT_SETTINGS = {
     "PORTABLE_BUILD": "setup.py: no -march=native",
     "NO_OPENMP": "setup.py: the kernel built without OpenMP",
     "REQUIRE_GPU": "the test suite: a skipped gpu test fails (tests/conftest.py)",
+    "CACHE": "scripts/gpu/setup_stack.sh: where the GPU check's environment lives",
 }
 
 
