@@ -656,9 +656,17 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- reporting
     def memory_report(self, *, accumulates: bool = False) -> dict:
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
-        structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
+        structure (see `memory.engine_report`), and its ``buckets`` (how many keep their state
+        on the host, how many on the device); ``accumulates``: also the buffers gradient
         accumulation over micro-steps will add, allocated or not."""
         return engine_report(self, accumulates=accumulates)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes this rank has handed to each of the engine's own collectives since it was
+        built, by collective (reduce_scatter, all_gather, all_reduce, gather); empty with one
+        process. What scripts/bench/bench_offload.py counts per step."""
+        return dict(self.exchange.sent)
 
 
 def _buckets(n: int) -> str:

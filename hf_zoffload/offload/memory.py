@@ -361,6 +361,8 @@ def engine_report(opt, *, accumulates: bool = False) -> dict:
     shards = sum(b.layout.shard for b in opt.buckets)
     report["offload_fraction"] = 1.0 - sum(b.layout.shard for b in opt.buckets
                                            if b.tier is Tier.DEVICE) / max(1, shards)
+    on_device = sum(1 for b in opt.buckets if b.tier is Tier.DEVICE)
+    report["buckets"] = {"host": len(opt.buckets) - on_device, "device": on_device}
     pool = opt.host_pool
     report["host_pinning"] = ("pageable: " + pool.pageable_reason if pool.pageable_reason
                               else "pinned" if pool.pin else "not pinned")
