@@ -16,7 +16,7 @@ OFFLOAD_ORDER = ["tiers", "support", "layout", "host", "threads", "copier", "upd
                  "modes.mesh", "modes.tensor_parallel", "modes.fsdp2_offload",
                  "modes.resolve", "delayed",
                  "update", "params", "memory", "fraction", "progress", "checkpoint", "hooks",
-                 "reorder", "engine"]
+                 "reorder", "build", "engine"]
 
 
 def _module(path: Path) -> str:
