@@ -85,6 +85,24 @@ REFERENCES = [("vs torch fused", TORCH_FUSED), ("vs torch composed", TORCH_COMPO
               ("vs DeepSpeed", DS_FP32), ("vs fp32 state", FP32_STATE)]
 
 
+def cpu_id() -> str:
+    """The CPU's model name with its family and model numbers from /proc/cpuinfo (a VM's model
+    name may be only "AMD EPYC"; family 25 model 1 is Zen 3, family 25 model 17 Zen 4)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    ids = [f"{k} {fields[f]}" for k, f in (("family", "cpu family"), ("model", "model"))
+           if f in fields]
+    return cpu_name() + (f" ({', '.join(ids)})" if ids else "")
+
+
 def _size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
@@ -272,7 +290,8 @@ def main(argv=None) -> int:
     ds = _deepspeed()
     feats = ca.compiled_features()
     isa = ", ".join(k for k in ("avx2", "f16c", "avx512f", "avx512_bf16") if feats[k]) or "none"
-    print(f"# CPU-Adam benchmark\n\nCPU: {cpu_name()} ({os.cpu_count()} logical CPUs); "
+    print(f"# CPU-Adam benchmark\n\nCPU: {cpu_id()}, {os.cpu_count()} logical CPUs, load "
+          f"average {os.getloadavg()[0]:.1f} at the start; "
           f"Python {platform.python_version()}; torch {torch.__version__}; "
           f"hf_zoffload {hf_zoffload.__version__} (kernel "
           f"{ext.auto_variant() if args.variant == 'auto' else args.variant}"
@@ -323,6 +342,7 @@ def main(argv=None) -> int:
             print(f"| {k} | {n / 1e6:.1f}M | {t} | {timed.median(LLAMA_OURS) * 1e3:.2f} | "
                   f"{timed.median(LLAMA_TORCH) * 1e3:.2f} | "
                   f"{timed.ratio(LLAMA_TORCH, LLAMA_OURS):.2f} |", flush=True)
+    print(f"\nLoad average {os.getloadavg()[0]:.1f} at the end.")
     return 0
 
 
