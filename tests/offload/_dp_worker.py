@@ -176,7 +176,7 @@ def overflow(rank: int, world: int) -> dict:
 def _synchronize(opt) -> None:
     """Before params are read: the copies of an emulated device are done (a no-op with the
     engine's own copiers; tests/offload/_async_copier.py)."""
-    sync = getattr(opt.copier, "synchronize", None)
+    sync = getattr(opt.copier.streams, "synchronize", None)
     if sync is not None:
         sync()
 
@@ -207,7 +207,7 @@ def with_copier(rank: int, world: int, *, job: tuple[str, dict], copier: dict | 
         _synchronize(opt)
         result["host"] = [t.clone() for b in opt.buckets
                           for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
-        result["copier"] = type(opt.copier.inner).__name__  # inside PlacedCopier
+        result["copier"] = type(opt.copier.streams).__name__
         if copier is not None:
             result["copier_jobs"] = sum(c.counts["jobs"] for c in made)
     return result
