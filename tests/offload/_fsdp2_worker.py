@@ -102,13 +102,15 @@ class Moved:
     """The bytes FSDP2's own collectives move on this rank while active: all-gather inputs
     (params up) and reduce-scatter outputs (this rank's gradient shard down), by dtype."""
 
+    # What FSDP2 calls: torch 2.13 dist.all_gather_single / reduce_scatter_single, torch 2.11
+    # dist.all_gather_into_tensor / reduce_scatter_tensor (output, then input, in both).
+    NAMES = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+             else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
     def __init__(self):
         self.up, self.down, self.on = {}, {}, False
-        # the names FSDP2 calls: torch 2.13's, else 2.11's (the same arguments)
-        names = ("all_gather_single", "reduce_scatter_single") \
-            if hasattr(dist, "all_gather_single") else \
-            ("all_gather_into_tensor", "reduce_scatter_tensor")
-        ag, rs = (getattr(dist, n) for n in names)
+        ag_name, rs_name = self.NAMES
+        ag, rs = getattr(dist, ag_name), getattr(dist, rs_name)
 
         def all_gather(output, input, **kw):
             self._count(self.up, input)
@@ -118,9 +120,9 @@ class Moved:
             self._count(self.down, output)
             return rs(output=output, input=input, **kw)
 
-        for n, fn in zip(names, (all_gather, reduce_scatter)):
-            setattr(dist, n, fn)
-        self._restore = lambda: [setattr(dist, n, f) for n, f in zip(names, (ag, rs))]
+        setattr(dist, ag_name, all_gather)
+        setattr(dist, rs_name, reduce_scatter)
+        self._restore = lambda: setattr(dist, ag_name, ag) or setattr(dist, rs_name, rs)
 
     def _count(self, into, t):
         if self.on:
