@@ -16,8 +16,8 @@ OFFLOAD_ORDER = ["tiers", "support", "layout", "host", "threads", "copier", "upd
                  "modes.mesh", "modes.tensor_parallel", "modes.fsdp2_offload",
                  "modes.resolve", "delayed",
                  "update", "schedules.base", "schedules.inverse", "schedules.synchronous",
-                 "schedules.delayed_update", "schedules.overlapped", "params", "memory", "fraction", "progress", "checkpoint", "hooks",
-                 "reorder", "engine"]
+                 "schedules.delayed_update", "schedules.overlapped", "params", "memory",
+                 "fraction", "progress", "checkpoint", "hooks", "reorder", "build", "engine"]
 
 
 def _module(path: Path) -> str:

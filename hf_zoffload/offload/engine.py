@@ -12,9 +12,10 @@ DTensor shards, FSDP2's sharded host params), which checks it and lands it on th
 through the copier (copier.py).
 See docs/design.md, "Data flow" and "Accumulation window".
 
-The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
-modes/exchange.py), the bucket order (reorder.py), the module waits (hooks.py) and the delayed
-update (delayed.py); checkpoints are checkpoint.py's functions over the engine's facts.
+The engine holds its parts, which build.py makes in their one valid order: the copier and the
+exchange (their interfaces in copier.py and modes/exchange.py), the bucket order (reorder.py),
+the tier policy (fraction.py), the module waits (hooks.py); and the delayed update
+(delayed.py). Checkpoints are checkpoint.py's functions over the engine's facts.
 """
 
 from __future__ import annotations
@@ -30,28 +31,22 @@ import torch
 
 from ..config import ZeroOffloadPlugin
 from ..ops.adam_kernels import check_hyper
-from ..ops.masters import SR_SEED, master_format
-from ..ops.moments import moment_format
+from ..ops.masters import SR_SEED
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
+from .build import build, frozen_numel
 from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
-from .copier import Copier, make_copier
-from .fraction import make_tier_policy
-from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
+from .hooks import queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
-from .layout import build_layouts, collect_slots
-from .memory import check_host_memory, engine_report, human
+from .memory import EngineFacts, engine_report
 from .modes.collectives import accelerate_sync, wants_sync
-from .modes.resolve import make_exchange, resolve
 from .params import ParamWatch, check_unmoved
 from .progress import Progress
-from .reorder import BucketOrder, relayout
+from .reorder import relayout
 from .schedules import make_schedule
-from .state import Bucket, GradSlot, state_from_params
-from .support import check_clip_args, local, local_grad
-from .threads import bind_local_rank, cpu_threads, host_threads
-from .tiers import Tier
-from .updaters import updater_of
+from .state import Bucket, GradSlot
+from .support import check_clip_args, local_grad
+from .threads import host_threads
 
 logger = logging.getLogger(__name__)
 
@@ -153,75 +148,28 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
-        # Before anything is allocated: the host state's pages are first touched from the
-        # cores this rank keeps.
-        self.bound_cpus = bind_local_rank() if plugin.bind_cores else None
-        self.cpu_threads = cpu_threads(plugin.cpu_threads, bound=self.bound_cpus is not None,
-                                       log=True)
-        if param_order is None and model is not None:
-            param_order = model.parameters()
-        self.moments = moment_format(plugin.state_dtype)
-        plugin.check_master()  # compute_dtype may have been set after the plugin was made
-        plugin.check_schedule()
-        self.masters = master_format(plugin.master_dtype)
+        plugin.check_schedule()  # one schedule, fp32 state for overlap_step: before any work
+        self.sync_gradients: bool | None = None  # None: follow accelerate, else True
+        # Every part, in its one valid order (build.py).
+        parts = build(self.param_groups, plugin, process_group=process_group,
+                      param_order=param_order, model=model,
+                      engine_sync=lambda: self.sync_gradients)
+        self.bound_cpus, self.cpu_threads = parts.bound_cpus, parts.cpu_threads
+        self.moments, self.masters = parts.moments, parts.masters
+        self.device, self.dtype = parts.device, parts.dtype
+        self.copier, self.mode, self.exchange = parts.copier, parts.mode, parts.exchange
+        self.order, self.tiering = parts.order, parts.tiering
+        self.module_waits = parts.module_waits
+        self._install(parts.pool, parts.buckets)
+        slots = parts.slots
         # The seed of a bf16 master's stochastic rounding (checkpoints carry it).
         self.sr_seed = SR_SEED
-        names = None if model is None else {id(p): n for n, p in model.named_parameters()}
-        slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments,
-                              names=names)
-        self.device = slots[0].param.device
-        plugin.check_device(self.device.type)
-        self.dtype = plugin.torch_dtype
-        pin = self.device.type == "cuda" and plugin.pin_memory
-        # The streams and each tier's transport: a device bucket's (offload_fraction) copies
-        # nothing (copier.ResidentTransport); the engine and the exchange never ask which.
-        made = make_copier(self.device, pin=pin, threads=self.cpu_threads)
-        self.copier = Copier(made, made)
-        self.sync_gradients: bool | None = None  # None: follow accelerate, else True
-        # The parallel mode (modes/resolve.py), refused there before anything changes.
-        self.mode = resolve(process_group, slots=slots, model=model, device=self.device,
-                            dtype=self.dtype)
-        self.exchange = make_exchange(self.mode, device=self.device, copier=self.copier,
-                                      dtype=self.dtype, engine_sync=lambda: self.sync_gradients)
-        if self.exchange.params_on_host and plugin.offload_fraction_value != 1.0:
-            # FSDP2's sharded params live on the host: there is no device copy for a device
-            # bucket's state to update (modes/fsdp2_offload.py)
-            raise ValueError(f"ZeRO-Offload setting 'offload_fraction' "
-                             f"{plugin.offload_fraction!r} with FSDP2 parameter offload: the "
-                             "params live on the host, so all optimizer state does; allowed: 1")
-        # Buckets fill in reverse param order until the first backward shows the real
-        # order (reorder.py).
-        self.order = BucketOrder([s.index for s in slots[::-1]], dict(
-            bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)), align=self.moments.align))
-        layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
-                                world=self.exchange.world, **self.order.layout_args)
-        # Which buckets keep their state on the device (fraction.py): chosen again at the
-        # re-layout, where `auto` decides from the first step's peak.
-        self.tiering = make_tier_policy(plugin, self.device)
         self.accumulates = False  # a window summed several backwards (`auto` counts it)
         self._stepped = False  # a step has ended (the first one's end decides `auto`)
-        tiers = self.tiering.tiers(layouts)
-        needed = check_host_memory([lay for lay, t in zip(layouts, tiers) if t is Tier.HOST],
-                                   param_dtype=self.dtype, plugin=plugin,
-                                   pinned=pin, world=self.exchange.world)  # before allocating
-        # Uploaded params: each module's forward waits for its own buckets only (they go up
-        # in forward order), so the first layers compute while the last ones still upload.
-        self.module_waits = ModuleWaits(self.copier.streams) \
-            if model is not None and self.copier.streams.forwards_wait() else None
-        pool = HostPool(layouts, pin=pin, tiers=tiers, device=self.device)
-        buckets = self._build_buckets(layouts, pool, needed)
-        self.exchange.params_recast()  # FSDP2 re-reads the params' new local tensors
-        self._install(pool, buckets)
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
-        # Frozen params beside the trained ones (a LoRA model's base, quantized or not), of
-        # the groups and of ``model``: left as they are, in any dtype (not cast, not laid out);
-        # the memory report counts their bytes by dtype (`memory.frozen_bytes`).
-        frozen = {id(p): p for g in self.param_groups for p in g["params"] if not p.requires_grad}
-        if model is not None:
-            frozen.update((id(p), p) for p in model.parameters() if not p.requires_grad)
-        self.frozen: tuple[torch.nn.Parameter, ...] = tuple(frozen.values())
-        self.n_frozen = sum(local(p).numel() for p in self.frozen)
+        self.frozen: tuple[torch.nn.Parameter, ...] = parts.frozen
+        self.n_frozen = frozen_numel(self.frozen)
         self.applied_steps = 0  # steps that updated the params (not skipped)
         self.loss_scaler = DynamicLossScaler(enabled=plugin.compute_dtype == "fp16", **{
             k: getattr(plugin, k) for k in ("init_scale", "growth_factor", "backoff_factor",
@@ -265,27 +213,6 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         if self.module_waits is not None:
             self.module_waits.follow(buckets)
         self._watch = ParamWatch(buckets)
-
-    def _build_buckets(self, layouts, pool: HostPool, needed: dict[str, int]) -> list[Bucket]:
-        """The state of every bucket, in the tier ``pool`` holds for it, from the params'
-        values (each param then becomes its compute-dtype copy), logged with its size and
-        seconds: seconds per GiB."""
-        landing = sum(v for k, v in needed.items() if k.startswith("grad_"))
-        progress = Progress(logger, "allocating the host state", sum(needed.values()),
-                            detail=f"{human(landing)} of grad landing buffers"
-                                   f"{', pinned' if pool.pin else ''}")
-        buckets, own = [], 0
-        with host_threads(self.cpu_threads):
-            for lay in layouts:
-                tier = pool.tiers[lay.index]
-                buckets.append(Bucket(lay, state_from_params(
-                    lay, self.dtype, self.device, pool=pool, state_dtype=self.moments,
-                    master_dtype=self.masters, flat=self.exchange.initial_values(lay),
-                    tier=tier), tier, updater_of(tier)))
-                own += sum(buckets[-1].state.nbytes().values()) if tier is Tier.HOST else 0
-                progress.at(own + sum(pool.held().values()))  # the pool: on first use
-        progress.done(f"pinning {pool.alloc_seconds:.2f} s" if pool.pin else "")
-        return buckets
 
     # ------------------------------------------------------------- public facts
     @property
@@ -672,9 +599,22 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- reporting
     def memory_report(self, *, accumulates: bool = False) -> dict:
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
-        structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
+        structure (see `memory.engine_report`), and its ``buckets`` (how many keep their state
+        on the host, how many on the device); ``accumulates``: also the buffers gradient
         accumulation over micro-steps will add, allocated or not."""
-        return engine_report(self, accumulates=accumulates)
+        p = self.plugin
+        return engine_report(EngineFacts(
+            tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
+            self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
+            p.master_dtype, p.delayed_update, p.offload_fraction_value, p.overlap_step),
+            accumulates=accumulates)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes this rank has handed to each of the engine's own collectives since it was
+        built, by collective (reduce_scatter, all_gather, all_reduce, gather); empty with one
+        process. What scripts/bench/bench_offload.py counts per step."""
+        return dict(self.exchange.sent)
 
 
 def _buckets(n: int) -> str:

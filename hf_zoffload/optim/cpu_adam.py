@@ -95,17 +95,18 @@ def _check_state(state: dict, p, where: str) -> None:
 
 def _fast_ok(p, g, state) -> bool:
     """True when _check_param, _check_grad and _check_state would pass (the common case, in
-    one expression: the named checks cost ~10 us a param, most of a small param's step)."""
-    ok = (p.dtype is torch.float32 and p.layout is torch.strided and p.device.type == "cpu"
-          and p.is_contiguous() and g.layout is torch.strided and g.device.type == "cpu"
-          and g.dtype in _GRAD_DTYPES and g.shape == p.shape and g.is_contiguous())
+    one expression: the named checks cost ~10 us a param, most of a small param's step;
+    is_cpu, not device.type, which builds a torch.device per call)."""
+    ok = (p.is_cpu and g.is_cpu and p.dtype is torch.float32 and g.dtype in _GRAD_DTYPES
+          and p.layout is torch.strided and g.layout is torch.strided and g.shape == p.shape
+          and p.is_contiguous() and g.is_contiguous())
     if not ok or not state:
         return ok
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     return ("step" in state and type(m) is torch.Tensor and type(v) is torch.Tensor
-            and m.dtype is torch.float32 and v.dtype is torch.float32 and m.shape == p.shape
-            and v.shape == p.shape and m.device.type == "cpu" and v.device.type == "cpu"
-            and m.is_contiguous() and v.is_contiguous())
+            and m.is_cpu and v.is_cpu and m.dtype is torch.float32 and v.dtype is torch.float32
+            and m.shape == p.shape and v.shape == p.shape and m.is_contiguous()
+            and v.is_contiguous())
 
 
 class CPUAdam(Optimizer):

@@ -85,6 +85,24 @@ REFERENCES = [("vs torch fused", TORCH_FUSED), ("vs torch composed", TORCH_COMPO
               ("vs DeepSpeed", DS_FP32), ("vs fp32 state", FP32_STATE)]
 
 
+def cpu_id() -> str:
+    """The CPU's model name with its family and model numbers from /proc/cpuinfo (a VM's model
+    name may be only "AMD EPYC"; family 25 model 1 is Zen 3, family 25 model 17 Zen 4)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    ids = [f"{k} {fields[f]}" for k, f in (("family", "cpu family"), ("model", "model"))
+           if f in fields]
+    return cpu_name() + (f" ({', '.join(ids)})" if ids else "")
+
+
 def _size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
@@ -100,7 +118,7 @@ def _deepspeed():
 
 
 def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.dtype,
-          qblocks: list[int]) -> tuple[list[tuple[str, float]], il.Rounds]:
+          qblocks: list[int], variant: str = "auto") -> tuple[list[tuple[str, float]], il.Rounds]:
     """[(row, nominal B/param)] in table order, and their times over ``rounds`` rounds.
 
     The rows alternate, so every path's buffers live at once: 66 B/param with DeepSpeed, 58
@@ -152,7 +170,8 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     def ours(grad, out):
         def run():
             step[0] += 1
-            ca.adam_update(p, grad, m, v, step=step[0], out16=out, num_threads=threads, **HP)
+            ca._update(p, grad, m, v, step=step[0], out16=out, num_threads=threads,
+                       variant=variant, **HP)
         return run
 
     add("ours fp32", ours(g32, None), 28)
@@ -165,8 +184,8 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
         def run():
             step[0] += 1
             ca.adam_update_unchecked(p, g, mm, vv, step=step[0], out16=g, num_threads=threads,
-                                     scales=scales, qblock=qblock, state_dtype=state_dtype,
-                                     **HP)
+                                     variant=variant, scales=scales, qblock=qblock,
+                                     state_dtype=state_dtype, **HP)
         return run
 
     add("ours bf16 state, out over grads", compact(mb, vb), 20)
@@ -184,7 +203,7 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     def master16(mm, vv, scales, state_dtype):
         def run():
             step[0] += 1
-            ca.adam_update_unchecked(p16, g16b, mm, vv, step=step[0], out16=g16b,
+            ca.adam_update_unchecked(p16, g16b, mm, vv, step=step[0], out16=g16b, variant=variant,
                                      num_threads=threads, scales=scales,
                                      state_dtype=state_dtype, sr=(step[0], 0), **HP)
         return run
@@ -252,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama_div", type=int, default=8,
                     help="the CPUAdam table's param list: TinyLlama-1.1B's 201 tensors, every "
                          "width over this (8: 17M params; 0: no such table)")
+    ap.add_argument("--variant", default="auto",
+                    help="the compiled variant of our rows (auto, generic, native, avx2, "
+                         "avx512bf16: what this build and CPU have)")
     args = ap.parse_args(argv)
     sizes = [_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
@@ -261,12 +283,19 @@ def main(argv=None) -> int:
     if any(b < 16 or b > 4096 or b & (b - 1) for b in qblocks):
         ap.error(f"--qblocks: powers of two from 16 to 4096, got {args.qblocks}")
 
+    ext = ca._ext()
+    if args.variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[args.variant]):
+        have = [v for v in ext.VARIANTS if ext.variant_available(ext.VARIANTS[v])]
+        ap.error(f"--variant {args.variant}: not in this build or CPU; here: {', '.join(have)}")
     ds = _deepspeed()
     feats = ca.compiled_features()
     isa = ", ".join(k for k in ("avx2", "f16c", "avx512f", "avx512_bf16") if feats[k]) or "none"
-    print(f"# CPU-Adam benchmark\n\nCPU: {cpu_name()} ({os.cpu_count()} logical CPUs); "
+    print(f"# CPU-Adam benchmark\n\nCPU: {cpu_id()}, {os.cpu_count()} logical CPUs, load "
+          f"average {os.getloadavg()[0]:.1f} at the start; "
           f"Python {platform.python_version()}; torch {torch.__version__}; "
-          f"hf_zoffload {hf_zoffload.__version__} (kernel {ca._ext().auto_variant()}: {isa}; "
+          f"hf_zoffload {hf_zoffload.__version__} (kernel "
+          f"{ext.auto_variant() if args.variant == 'auto' else args.variant}"
+          f"{': ' + isa if args.variant == 'auto' else ''}; "
           f"OpenMP {'on' if feats['openmp'] else 'off'}); deepspeed "
           f"{__import__('deepspeed').__version__ if ds else 'not installed'}.  "
           f"16-bit rows: {args.grad_dtype} grads, {args.out_dtype} params out.\n")
@@ -281,7 +310,7 @@ def main(argv=None) -> int:
     for n in sizes:
         for t in threads:
             rows, timed = bench(n, t, args.repeats, DTYPES[args.grad_dtype],
-                                DTYPES[args.out_dtype], qblocks)
+                                DTYPES[args.out_dtype], qblocks, args.variant)
             for name, nbytes in rows:
                 ms = timed.median(name) * 1e3
                 # GB/s over the ceiling's in each round: B/param over 28, times its ms over ours
@@ -313,6 +342,7 @@ def main(argv=None) -> int:
             print(f"| {k} | {n / 1e6:.1f}M | {t} | {timed.median(LLAMA_OURS) * 1e3:.2f} | "
                   f"{timed.median(LLAMA_TORCH) * 1e3:.2f} | "
                   f"{timed.ratio(LLAMA_TORCH, LLAMA_OURS):.2f} |", flush=True)
+    print(f"\nLoad average {os.getloadavg()[0]:.1f} at the end.")
     return 0
 
 

@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 import zipfile
 
@@ -43,6 +44,10 @@ DEEPSPEED = "DeepSpeed ZeRO-2, offload_optimizer cpu"
 DEEPSPEED_WHY = ("not measured: PyPI has DeepSpeed as source only (newest wheel 0.3.1.dev5) "
                  "and its CPU Adam is JIT-compiled at first use, longer than this stage")
 HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "vs ZeRO-Offload"]
+# A peer's run: its model built on the device (1.1B params), the optimizer's pinned copies,
+# one warm-up and one timed step: ~6 s estimated on the H200 (not measured), so one is not
+# started with less left.
+MIN_START_S = 6.0
 
 
 def unpack_wheels(folder: str, dest: str) -> list[str]:
@@ -128,22 +133,38 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--overrides", default=None,
                    help="model config changes, k=v,... (default: those of --against)")
-    return p.parse_args(argv)
+    p.add_argument("--time_limit", type=float, default=None,
+                   help="seconds for the peers (default: GPU_CHECK_STAGE_S - 3 under "
+                        "gpu_check.sh, else none): a peer's timed steps stop before it "
+                        "(gpu_practicality.measure), and one is not started with less than "
+                        f"{MIN_START_S:.0f} s left")
+    args = p.parse_args(argv)
+    if args.time_limit is None and os.environ.get("GPU_CHECK_STAGE_S", "").isdigit():
+        args.time_limit = max(1.0, int(os.environ["GPU_CHECK_STAGE_S"]) - 3.0)
+    if args.time_limit is not None and args.time_limit <= 0:
+        p.error(f"--time_limit {args.time_limit} must be > 0")
+    return args
 
 
-def peer_rows(base: dict, run, against: dict, unpacked: str) -> tuple[list, list[str], str]:
+def peer_rows(base: dict, run, against: dict, unpacked: str,
+              deadline: float | None = None) -> tuple[list, list[str], str]:
     """(table rows, failures, where torchao came from) for the peers, then practicality's
-    own rows for reading beside them."""
+    own rows for reading beside them; ``deadline``: a ``time.perf_counter()`` value the
+    peers' runs end before (a peer not started is a missing figure, not a failure)."""
     rows, failures = [], []
     cls, where, broken = load_torchao(unpacked)
     if broken:
         failures.append(f"{TORCHAO}: {where}"[:400])
     if cls is None:
         rows.append([TORCHAO, where, "", "", "", ""])
+    elif deadline is not None and deadline - time.perf_counter() < MIN_START_S:
+        rows.append([TORCHAO, f"not run: under {MIN_START_S:.0f} s of the time limit left",
+                     "", "", "", ""])
     else:
         try:
             rows.append(row(practicality.measure(TORCHAO, torchao_step(cls), base=base,
-                                                 dtype=torch.float32, args=run), against))
+                                                 dtype=torch.float32, args=run,
+                                                 deadline=deadline), against))
         except Exception as exc:  # noqa: BLE001 -- a figure that failed; the stage fails
             traceback.print_exc()
             rows.append([TORCHAO, f"failed: {type(exc).__name__}", "", "", "", ""])
@@ -156,6 +177,7 @@ def peer_rows(base: dict, run, against: dict, unpacked: str) -> tuple[list, list
 
 
 def main(argv=None) -> int:
+    t0 = time.perf_counter()
     args = parse_args(argv)
     if args.device == "cuda":
         common.require_cuda(SCRIPT)
@@ -176,7 +198,8 @@ def main(argv=None) -> int:
                                      dir=os.environ.get("SCRATCH") or None) as scratch:
         wheels = unpack_wheels(args.wheels, scratch)
         print(f"wheels unpacked from {args.wheels}: {', '.join(wheels) or 'none'}")
-        rows, failures, where = peer_rows(base, run, against, scratch)
+        deadline = t0 + args.time_limit if args.time_limit else None
+        rows, failures, where = peer_rows(base, run, against, scratch, deadline)
     lines += common.md_table(HEADER, rows) + ["", f"torchao: {where}"]
     return common.finish(SCRIPT, lines, failures)
 

@@ -59,9 +59,13 @@ FSDP2_WAYS = (llama.FSDP2, llama.FSDP2_TORCH)
 HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "final loss"]
 
 
-def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=None) -> dict:
+def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=None,
+            deadline: float | None = None) -> dict:
     """One way on a fresh model (built on ``build_on``, default the device): ``make(model) ->
-    (step, finish)``; its figures."""
+    (step, finish)``; its figures. ``deadline`` (a ``time.perf_counter()`` value): past it no
+    more warm-up step starts after the first, and no timed step after the first whose
+    predicted end (the timed steps' mean so far) passes it; ``steps`` says how many were
+    timed, so a way short of time still gives its figure instead of being killed."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
@@ -77,23 +81,37 @@ def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=N
     model = llama.build_model(base, dtype, build_on or device)
     step, finish = make(model)[:2]
     ids = llama.token_ids(base, args.batch, args.seq, device)
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
+        if i and deadline is not None and time.perf_counter() >= deadline:
+            break
         step(ids)
     finish()
     sync()
     losses = []
     t0 = time.perf_counter()
     for _ in range(args.steps):
+        now = time.perf_counter()
+        if losses and deadline is not None and now + (now - t0) / len(losses) > deadline:
+            break
         losses.append(step(ids))  # device tensors: no sync inside the timed steps
     finish()
     sync()
-    seconds = time.perf_counter() - t0
-    out = {"way": name, "tokens_per_s": args.batch * args.seq * args.steps / seconds,
-           "ms_per_step": 1e3 * seconds / args.steps, "final_loss": float(losses[-1]),
+    seconds, n = time.perf_counter() - t0, len(losses)
+    out = {"way": name, "tokens_per_s": args.batch * args.seq * n / seconds,
+           "ms_per_step": 1e3 * seconds / n, "final_loss": float(losses[-1]), "steps": n,
            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
     del model, step, finish, losses
     gc.collect()
     return out
+
+
+def write_json(args, results: list[dict]) -> None:
+    """The figures for gpu_peers.py (``--json``), written whole each time."""
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"overrides": args.overrides, "batch": args.batch, "seq": args.seq,
+                   "warmup": args.warmup, "steps": args.steps, "results": results}, f)
+    os.replace(tmp, args.json)
 
 
 def row(r: dict, amp: dict | None) -> list:
@@ -224,7 +242,8 @@ def main(argv=None) -> int:
                 continue
             t1 = time.perf_counter()
             try:
-                r = measure(name, make, base=base, dtype=dtype, args=args, build_on=build_on)
+                r = measure(name, make, base=base, dtype=dtype, args=args, build_on=build_on,
+                            deadline=t0 + args.time_limit if args.time_limit else None)
             except Exception as exc:  # noqa: BLE001 -- the other ways still run; it fails
                 traceback.print_exc()
                 failures.append(f"{name}: {type(exc).__name__}: {exc}"[:400])
@@ -234,11 +253,16 @@ def main(argv=None) -> int:
             results.append(r)
             amp = results[0] if results[0]["way"] == llama.AMP else None
             common.summary(common.md_table(HEADER, [row(r, amp)])[2])
+            if args.json:  # after each way: a stage killed later keeps what it measured
+                write_json(args, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"overrides": args.overrides, "batch": args.batch, "seq": args.seq,
-                       "warmup": args.warmup, "steps": args.steps, "results": results}, f)
+        write_json(args, results)
     lines = ["", ratio_line(results)] + [x for x in [fsdp2_line(results)] if x]
+    short = [f"{r['way']} ({r['steps']} of {args.steps})" for r in results
+             if r["steps"] < args.steps]
+    if short:
+        lines.append(f"**timed over fewer steps, the {args.time_limit:.0f} s time limit being "
+                     "near: " + "; ".join(short) + "**")
     if left_out:
         lines.append(f"**not run, the {args.time_limit:.0f} s time limit being near: "
                      + "; ".join(left_out) + "**")

@@ -71,6 +71,15 @@ NAMES = {"amp": llama.AMP, "zoffload": "ZeroOffloadOptimizer, bf16 params",
          FSDP2: "ZeroOffloadOptimizer over FSDP2 parameter offload, bf16 master"}
 # The fsdp2 probe's host state: the smallest (the device side is the question there)
 FSDP2_STATE, FSDP2_MASTER = "int4", "bf16"
+# A probe's two host passes over its engine state, GiB/s by state dtype: the placement and
+# the re-layout after step 1 (docs/measurements.md, issue 22: 134M-param Llama, bf16 compute,
+# the 2-vCPU EPYC under load: placement 0.93 / 0.46, re-layout 1.6 / 0.22 with fp32 / int8
+# moments; int4 not measured, taken as int8). A host with more cores and memory bandwidth
+# passes faster: --host_speed scales them. With a time limit no probe starts whose predicted
+# seconds pass it (`probe_seconds`), and the ladder starts where a probe can finish.
+PLACE_GIBPS = {"fp32": 0.93, "int8": 0.46, "int4": 0.46}
+RELAYOUT_GIBPS = {"fp32": 1.6, "int8": 0.22, "int4": 0.22}
+PROBE_START_S = 10.0  # a probe's own start: torch, transformers, CUDA, the model (estimated)
 
 
 def predicted_rung(way: str, ladder: list[int], base: dict, cap: float) -> int:
@@ -104,6 +113,25 @@ def host_need(way: str, layers: int, base: dict, state_dtype: str | None) -> int
                                          pinned=True)["host_total"]
 
 
+def probe_seconds(way: str, layers: int, base: dict, state_dtype: str | None,
+                  speed: float = 1.0) -> float:
+    """Predicted seconds of one probe: its start and, with an engine, the two host passes
+    over its state at ``speed`` times the 2-vCPU rates (PLACE_GIBPS, RELAYOUT_GIBPS)."""
+    if way == "amp":
+        return PROBE_START_S
+    state = (host_need(way, layers, base, state_dtype) - PROCESS_HOST_BYTES) / GiB
+    per_gib = 1 / PLACE_GIBPS[state_dtype] + 1 / RELAYOUT_GIBPS[state_dtype]
+    return PROBE_START_S + state * per_gib / speed
+
+
+def time_top(base: dict, limit: float, ladder: list[int], speed: float = 1.0) -> int:
+    """Index of the largest rung whose zoffload probe with fp32 state is predicted to end
+    within ``limit`` seconds (-1: none)."""
+    ok = [k for k, n in enumerate(ladder)
+          if probe_seconds("zoffload", n, base, "fp32", speed) <= limit]
+    return ok[-1] if ok else -1
+
+
 @dataclass
 class Search:
     """The bracket of one way over a ladder: ``lo`` the largest index known to fit (-1: none),
@@ -117,13 +145,14 @@ class Search:
     probes: list = field(default_factory=list)  # every probe's result dict, in order
     conflicts: list = field(default_factory=list)
     broken: bool = False  # a probe failed for another reason than memory: nothing to infer
+    stopped: str = ""  # why the search ended early: its next probe would not end in time
 
     def __post_init__(self):
         self.hi = self.size if self.hi < 0 else self.hi
 
     @property
     def done(self) -> bool:
-        return self.broken or self.hi - self.lo <= 1
+        return self.broken or bool(self.stopped) or self.hi - self.lo <= 1
 
     def next(self, k: int = 2) -> list[int]:
         """Up to ``k`` ladder indices for the next round."""
@@ -161,11 +190,11 @@ class OneRung(Search):
     ``lo`` / ``hi`` as `Search` records them."""
 
     def next(self, k: int = 2) -> list[int]:
-        return [] if self.probes or self.broken else [self.pred]
+        return [] if self.done else [self.pred]
 
     @property
     def done(self) -> bool:
-        return bool(self.probes) or self.broken
+        return bool(self.probes) or self.broken or bool(self.stopped)
 
 
 def plan_round(specs: list[dict], budget: float) -> list[list[dict]]:
@@ -291,25 +320,43 @@ def ladder_top(base: dict, budget: float, most: int) -> int:
 def search(args, base: dict, cap: float, budget: float, run=run_batch, clock=time.monotonic):
     """Both ways' searches over one ladder, round by round; (ladder, searches, notes)."""
     ladder = list(range(1, ladder_top(base, budget, args.max_layers) + 1))
+    speed = getattr(args, "host_speed", 1.0)
     searches = {w: Search(w, len(ladder), predicted_rung(w, ladder, base, cap)) for w in WAYS}
+    notes = []
+    if args.time_limit:  # the ladder starts where a probe can finish
+        top = time_top(base, args.time_limit, ladder, speed)
+        zo = searches["zoffload"]
+        if zo.pred > top:
+            notes.append(f"zoffload: the search starts at {ladder[max(top, 0)]} layers, not "
+                         f"the predicted {ladder[zo.pred]}: a larger probe's host passes "
+                         f"would not end in the {args.time_limit:.0f} s limit (PLACE_GIBPS, "
+                         f"RELAYOUT_GIBPS x {speed:g}); its figure is a lower bound")
+            zo.pred = max(top, 0)
     wall = wall_rung(ladder, base, cap) if args.fsdp2 else None
     if wall is not None:
         searches[FSDP2] = OneRung(FSDP2, len(ladder), wall)
-    t0, longest, notes = clock(), 0.0, []
+    t0, longest, stop = clock(), 0.0, []
     with tempfile.TemporaryDirectory(prefix="gpu_size_",
                                      dir=os.environ.get("SCRATCH") or None) as work:
         batches = []
-        while not notes:
+        while not stop:
+            left = args.time_limit - (clock() - t0) if args.time_limit else 1e9
             if not batches:  # the next round: every unfinished way's probes
-                specs = [spec for s in searches.values()
-                         for spec in round_specs(s, ladder, base, args, cap)]
+                specs = []
+                for s in searches.values():
+                    mine = round_specs(s, ladder, base, args, cap)
+                    slow = [x for x in mine if x["predicted_s"] > left]
+                    if slow:  # the way's search ends with this round: what it measured
+                        x = slow[0]  # so far stands
+                        s.stopped = (f"{x['layers']} layers ({x['state_dtype']}) not probed: "
+                                     f"predicted {x['predicted_s']:.0f} s, {left:.0f} s left")
+                    specs += [x for x in mine if x["predicted_s"] <= left]
                 batches = plan_round(specs, budget)
                 if not batches:
                     break
-            left = args.time_limit - (clock() - t0) if args.time_limit else 1e9
             if longest and left < 1.1 * longest:  # it would not end in time
-                notes.append(f"stopped at the {args.time_limit:.0f} s time limit with the "
-                             f"search unfinished (a batch of probes took {longest:.0f} s)")
+                stop.append(f"stopped at the {args.time_limit:.0f} s time limit with the "
+                            f"search unfinished (a batch of probes took {longest:.0f} s)")
                 break
             batch = batches.pop(0)
             share(batch, budget)
@@ -319,7 +366,7 @@ def search(args, base: dict, cap: float, budget: float, run=run_batch, clock=tim
                 print(f"{s['way']} {s['layers']} layers ({s['state_dtype'] or '-'}): "
                       f"{r['result']} {r.get('message', '')}", flush=True)
             longest = max(longest, clock() - t1)
-    return ladder, searches, notes
+    return ladder, searches, notes + stop
 
 
 def round_specs(s: Search, ladder: list[int], base: dict, args, cap: float) -> list[dict]:
@@ -331,6 +378,8 @@ def round_specs(s: Search, ladder: list[int], base: dict, args, cap: float) -> l
             "fp32" if j == 0 else "int8")
         out.append({"way": s.way, "index": i, "layers": ladder[i], "state_dtype": state,
                     "host_need": host_need(s.way, ladder[i], base, state), "base": base,
+                    "predicted_s": probe_seconds(s.way, ladder[i], base, state,
+                                                 getattr(args, "host_speed", 1.0)),
                     "seq": args.seq, "cap": cap, "device": args.device, "threads": 0,
                     "host_limit": 0})
     return out
@@ -403,6 +452,9 @@ def report(ladder, searches, *, cap: float, device: str, notes=(), base=None,
         failures += [f"{way}: {c}" for c in s.conflicts]
         if not s.done:
             notes.append(f"{way}: the search is unfinished; its figure is a lower bound")
+        elif s.stopped:
+            notes.append(f"{way}: the search ended before its time ran out: {s.stopped}; its "
+                         "figure is a lower bound")
     lines += ["", *common.md_table(["probe", "layers", "state", "params", "result",
                                     "peak allocated GiB", "peak reserved GiB", "s"], probes)]
     amp, zo = largest_fit(searches["amp"], None), largest_fit(searches["zoffload"], "int8")
@@ -413,7 +465,7 @@ def report(ladder, searches, *, cap: float, device: str, notes=(), base=None,
                       f"AdamW ({llama.count(zo['n_params'])} vs {llama.count(amp['n_params'])}"
                       f"; the ZeRO-Offload paper: 10x, 13B params on one V100 against "
                       f"PyTorch)"]
-        if ratio <= 1 and device != "cpu":
+        if ratio <= 1 and device != "cpu" and not searches["zoffload"].stopped:
             failures.append(f"ZeRO-Offload fits no larger model than AMP AdamW ({ratio:.2f}x)")
     else:
         lines += ["", f"within {where}: no ratio (a way had no fitting rung)"]
@@ -468,6 +520,9 @@ def parse_args(argv=None):
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds for the whole search (default: GPU_CHECK_STAGE_S - 6 under "
                         "gpu_check.sh, else none); no round starts that would not end in it")
+    p.add_argument("--host_speed", type=float, default=1.0,
+                   help="the host's passes over the engine state as a multiple of the 2-vCPU "
+                        "rates the time limit plans with (PLACE_GIBPS, RELAYOUT_GIBPS)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--overrides", default="",
                    help="model config changes, k=v,... (a tiny model for --device cpu)")
@@ -479,9 +534,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.time_limit is None and os.environ.get("GPU_CHECK_STAGE_S", "").isdigit():
         args.time_limit = max(1.0, int(os.environ["GPU_CHECK_STAGE_S"]) - 6.0)
-    if args.cap_gib <= 0 or args.max_layers < 2 or args.seq < 2:
-        p.error(f"--cap_gib {args.cap_gib} must be > 0, --max_layers {args.max_layers} >= 2 "
-                f"and --seq {args.seq} >= 2")
+    if args.cap_gib <= 0 or args.max_layers < 2 or args.seq < 2 or args.host_speed <= 0:
+        p.error(f"--cap_gib {args.cap_gib} must be > 0, --max_layers {args.max_layers} >= 2, "
+                f"--seq {args.seq} >= 2 and --host_speed {args.host_speed} > 0")
     return args
 
 

@@ -311,7 +311,7 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
     16-bit grads and they go up through ``to_params`` / ``to_flat``, as on CUDA (else the
     engine writes them into the params in place and uploads nothing, as on the CPU).
     Yields the list of copiers made; closes them on the way out."""
-    import hf_zoffload.offload.engine as engine
+    import hf_zoffload.offload.build as build
 
     made: list[AsyncCopier] = []
 
@@ -320,15 +320,15 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
         made[-1].cuda_path = cuda_path
         return made[-1]
 
-    saved = engine.make_copier
-    engine.make_copier = make_copier
+    saved = build.make_copier
+    build.make_copier = make_copier
     ok = False
     try:
         with forward_waits():
             yield made
         ok = True
     finally:
-        engine.make_copier = saved
+        build.make_copier = saved
         errors = []
         for c in made:
             try:

@@ -5,6 +5,7 @@ bench_kernel_loop.py builds its C driver and times every state."""
 
 import re
 import runpy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,15 @@ def test_kernel_loop_builds_and_times_every_state():
     assert list(ns) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
                         for s in ("fp32", "bf16", "int8", "int4")]
     assert all(0 < v < 1e6 for v in ns.values()), ns
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="counting needs valgrind")
+def test_kernel_loop_counts_instructions_of_every_state():
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    counts = loop["instructions"](4096, 1)
+    assert list(counts) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
+                            for s in ("fp32", "bf16", "int8", "int4")]
+    # the vector kernels: a few instructions per param, more where moments are coded
+    assert all(1 < v < 40 for v in counts.values()), counts
+    assert counts["fp32 master, fp32 state"] < counts["fp32 master, int8 state"], counts

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
@@ -114,7 +115,7 @@ def test_practicality_leaves_out_the_ways_its_time_limit_cannot_hold(monkeypatch
     def measure(name, make, **kw):
         clock["t"] += 10.0  # each way takes 10 s
         return {"way": name, "tokens_per_s": 1.0, "ms_per_step": 1.0, "final_loss": 1.0,
-                "peak_bytes": None}
+                "peak_bytes": None, "steps": 3}
 
     monkeypatch.setattr(gpu_practicality, "measure", measure)
     monkeypatch.setattr(gpu_practicality.time, "perf_counter", lambda: clock["t"])
@@ -239,6 +240,24 @@ def test_peers_measure_a_carried_torchao_against_practicality(tmp_path, clean_im
     assert not list(tmp_path.glob("gpu_peers_*"))  # its scratch folder is gone
 
 
+def test_peers_start_no_peer_their_time_limit_cannot_hold(tmp_path, clean_imports, capsys,
+                                                          monkeypatch):
+    """Under gpu_check.sh (its stage limit less 3 s): with under MIN_START_S left the peer is
+    not started; its row says so, a missing figure, and the stage passes."""
+    monkeypatch.setenv("SCRATCH", str(tmp_path))
+    _wheel(tmp_path / "wheels", "torchao", FAKE_TORCHAO)
+    monkeypatch.setenv("GPU_CHECK_STAGE_S", "5")  # 2 s: under MIN_START_S
+    assert gpu_peers.parse_args([]).time_limit == 2.0
+    rc = gpu_peers.main(["--device", "cpu", "--wheels", str(tmp_path / "wheels"),
+                         "--overrides", TINY + ",num_hidden_layers=1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert (f"| {gpu_peers.TORCHAO} | not run: under {gpu_peers.MIN_START_S:.0f} s of the "
+            "time limit left |") in out
+    with pytest.raises(SystemExit):
+        gpu_peers.parse_args(["--time_limit", "0"])
+
+
 def test_a_broken_carried_torchao_fails_the_stage(tmp_path, clean_imports, capsys):
     _wheel(tmp_path / "wheels", "torchao", {"torchao/__init__.py": "import no_such_dep\n"})
     rc = gpu_peers.main(["--device", "cpu", "--wheels", str(tmp_path / "wheels"),
@@ -255,3 +274,22 @@ def test_gpu_wheels_script_fetches_only_binary_wheels_for_the_gpu_machine():
     assert "wheels/" in (ROOT / ".gitignore").read_text().splitlines()
     proc = subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_wheels.sh")], capture_output=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_way_past_its_deadline_times_fewer_steps_and_still_gives_its_figure():
+    """``measure``'s deadline: past it, one warm-up step and one timed step still run (a
+    figure), the rest do not start; ``steps`` says how many were timed and the rates use it."""
+    args = gpu_practicality.parse_args(["--device", "cpu", "--overrides", TINY, "--batch", "2",
+                                        "--seq", "16", "--warmup", "3", "--steps", "5"])
+    calls = []
+
+    def make(model):
+        step, finish = llama.zoffload_step(model)[:2]
+        return (lambda ids: calls.append(1) or step(ids)), finish
+    base = llama.with_overrides(llama.LLAMA_1B, TINY, what="test")
+    r = gpu_practicality.measure("zo", make, base=base, dtype=torch.bfloat16, args=args,
+                                 deadline=0.0)  # long past
+    assert r["steps"] == 1 and len(calls) == 2
+    assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["ms_per_step"] / 1e3))
+    full = gpu_practicality.measure("zo", make, base=base, dtype=torch.bfloat16, args=args)
+    assert full["steps"] == 5 and len(calls) == 2 + 8

@@ -147,7 +147,7 @@ def test_plan_round_keeps_each_batch_within_the_host_budget():
 
 
 def _args(**kw):
-    base = dict(max_layers=12, time_limit=None, seq=8, device="cpu", fsdp2=False)
+    base = dict(max_layers=12, time_limit=None, seq=8, device="cpu", fsdp2=False, host_speed=1.0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -214,13 +214,58 @@ def test_search_stops_at_the_time_limit(monkeypatch, tmp_path):
         clock["t"] += 20.0  # a round takes 20 s
         return run(batch, work, timeout)
 
-    ladder, searches, notes = gpu_size.search(_args(max_layers=40, time_limit=30),
+    # host passes 1000x the 2-vCPU rates: every probe's predicted seconds fit the limit
+    ladder, searches, notes = gpu_size.search(_args(max_layers=40, time_limit=30,
+                                                    host_speed=1000.0),
                                               llama.LLAMA_4096, 9 * GiB, 200 * GiB, run=slow,
                                               clock=lambda: clock["t"])
-    assert len(calls) == 1 and notes and "30 s time limit" in notes[0]
+    # after the first round (20 s) no probe is predicted to end in the 10 s left
+    assert len(calls) == 1 and "10 s left" in searches["zoffload"].stopped
     lines, failures = gpu_size.report(ladder, searches, cap=9 * GiB, device="H")
-    assert failures == [] and "zoffload: the search is unfinished; its figure is a lower " \
-                              "bound" in "\n".join(lines)
+    assert failures == [] and "zoffload: the search ended before its time ran out: 22 layers " \
+                              "(fp32) not probed" in "\n".join(lines)
+
+
+def test_probe_seconds_from_the_host_passes():
+    """A probe's seconds: its start, plus the placement and the re-layout over its engine
+    state at the 2-vCPU rates (0.93 and 1.6 GiB/s with fp32 state, 0.46 and 0.22 with int8):
+    the 20-layer fp32 probe at 9 GiB (56 GiB of state) is ~106 s there, its int8 rung
+    ~240 s, far past the size stage's seconds."""
+    base = llama.LLAMA_4096
+    state = (gpu_size.host_need("zoffload", 20, base, "fp32") - gpu_size.PROCESS_HOST_BYTES) / GiB
+    want = gpu_size.PROBE_START_S + state * (1 / 0.93 + 1 / 1.6)
+    assert gpu_size.probe_seconds("zoffload", 20, base, "fp32") == pytest.approx(want)
+    assert 100 < want < 110
+    assert gpu_size.probe_seconds("zoffload", 21, base, "int8") > 230
+    assert gpu_size.probe_seconds("zoffload", 20, base, "fp32", speed=4.0) == pytest.approx(
+        gpu_size.PROBE_START_S + (want - gpu_size.PROBE_START_S) / 4)
+    assert gpu_size.probe_seconds("amp", 20, base, None) == gpu_size.PROBE_START_S
+
+
+def test_the_ladder_starts_where_a_probe_can_finish(monkeypatch, tmp_path):
+    """Under a 28 s limit the predicted 20 layers cannot be probed at 2-vCPU rates: zoffload
+    starts at the largest rung predicted to end in time (2 layers, ~26 s), probes it, and
+    stops before the int8 rung above (predicted past the time left); the figure is reported
+    as a lower bound, and the no-gain check does not fail a search cut short by time."""
+    monkeypatch.setenv("SCRATCH", str(tmp_path))
+    run, calls = _oracle({"amp": 1, "zoffload": 20})
+    ladder, searches, notes = gpu_size.search(_args(max_layers=40, time_limit=28),
+                                              llama.LLAMA_4096, 9 * GiB, 200 * GiB, run=run,
+                                              clock=lambda: 0.0)
+    zo = searches["zoffload"]
+    top = gpu_size.time_top(llama.LLAMA_4096, 28, ladder)
+    assert ladder[top] == 2 and zo.pred == top
+    assert "the search starts at 2 layers, not the predicted 20" in notes[0]
+    probed = [(s["way"], s["layers"], s["state_dtype"]) for b in calls for s in b]
+    assert ("zoffload", 2, "fp32") in probed
+    assert all(s["predicted_s"] <= 28 for b in calls for s in b)
+    assert zo.done and "3 layers (int8) not probed: predicted" in zo.stopped
+    lines, failures = gpu_size.report(ladder, searches, cap=9 * GiB, device="NVIDIA H200",
+                                      notes=notes)
+    assert failures == []
+    text = "\n".join(lines)
+    assert "zoffload: the search ended before its time ran out" in text and "lower bound" in text
+    assert "| ZeroOffloadOptimizer, bf16 params, state fp32 | 2 layers |" in text
 
 
 # ------------------------------------------------------------------ size: FSDP2 offload
@@ -286,7 +331,8 @@ def test_report_fails_on_errors_an_unenforced_cap_and_no_gain():
 
 
 def test_size_arguments_are_checked_before_any_work(monkeypatch, capsys):
-    for bad in (["--cap_gib", "0"], ["--max_layers", "1"], ["--seq", "1"]):
+    for bad in (["--cap_gib", "0"], ["--max_layers", "1"], ["--seq", "1"],
+                ["--host_speed", "0"]):
         with pytest.raises(SystemExit) as e:
             gpu_size.parse_args(bad)
         assert e.value.code == 2 and "must be > 0" in capsys.readouterr().err

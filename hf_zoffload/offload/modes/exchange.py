@@ -116,7 +116,7 @@ class Exchange(abc.ABC):
 
     def wait_for_grad(self, param: torch.Tensor) -> None:
         """In ``param``'s grad hook, before the engine reads ``param.grad``: wait until
-        whatever wrote it has finished (FSDP2's copy to the host, fsdp2.py)."""
+        whatever wrote it has finished (FSDP2's copy to the host, fsdp2_offload.py)."""
 
     @abc.abstractmethod
     def open(self, b: Bucket) -> None:
