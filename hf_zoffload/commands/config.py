@@ -282,13 +282,14 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
             "to the host one bucket at a time)?")
         if on_gpu:
             ask("pin_memory", "Use pinned (page-locked) host buffers for the copies?")
-        if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the "
-               "next forward/backward, on parameters one step stale)?"):
+        overlap = not fsdp2 and all(ask.answers.get(k, "fp32") == "fp32"
+                                    for k in ("state_dtype", "master_dtype")) and ask(
+            "overlap_step", "Start each bucket's CPU update during the step's last backward, "
+            "as soon as its gradient is on the host (exact)?")
+        if not overlap and ask("delayed_update", "Use the delayed parameter update (the CPU "
+                               "step overlaps the next forward/backward, on parameters one "
+                               "step stale)?"):
             ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
-        elif not fsdp2 and all(ask.answers.get(k, "fp32") == "fp32"
-                               for k in ("state_dtype", "master_dtype")):
-            ask("overlap_step", "Start each bucket's CPU update during the step's last "
-                "backward, as soon as its gradient is on the host (exact)?")
         ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
                            "processes per node)?")
         ask("bind_cores", "With several processes on a node, bind each to its share of the "
