@@ -37,6 +37,7 @@ NOT_SETTINGS = {
     "PORTABLE_BUILD": "setup.py: no -march=native",
     "NO_OPENMP": "setup.py: the kernel built without OpenMP",
     "REQUIRE_GPU": "the test suite: a skipped gpu test fails (tests/conftest.py)",
+    "CACHE": "scripts/gpu/setup_stack.sh: where the GPU check's environment lives",
 }
 
 
@@ -179,6 +180,17 @@ class ZeroOffloadPlugin:
     min_scale: float = _knob(
         1.0, "floor of the fp16 loss scale.", minimum=0.0, exclusive_min=True, maximum=FP32_MAX
     )
+
+    def __new__(cls, *args, **kwargs):
+        # The dataclass's own __init__ would say only "unexpected keyword argument": the
+        # closest name too, as every other route (yaml, variables, arguments) says.
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"ZeroOffloadPlugin() got an unexpected keyword argument "
+                            f"{unknown[0]!r}; allowed: {', '.join(names)}"
+                            f"{closest(unknown[0], names)}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

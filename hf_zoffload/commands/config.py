@@ -104,7 +104,7 @@ FSDP2_OFFLOAD = {"fsdp_version": 2, "fsdp_offload_params": True,
                  "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                  "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT",
                  "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False}
-TRAINER_FLAGS = '--fsdp "full_shard offload" --zero_offload'
+TRAINER_FLAGS = '--fsdp --fsdp_config \'{"version": 2, "cpu_offload": true}\' --zero_offload'
 
 
 def accelerate_fsdp(acc) -> dict | None:

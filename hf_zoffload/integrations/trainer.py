@@ -58,6 +58,10 @@ the accelerator exists; the private Trainer methods taken part in are `compat.Tr
   in 5.17's loop), the accelerator's method is what both call.
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+- Non-finite stop (nonfinite.py, ``max_nonfinite_steps``): ``training_step`` hands each raw
+  loss to it (the Trainer's log filters non-finite ones), the wrapper's step judges it with the
+  engine's norm; no checkpoint is saved inside a non-finite streak, and training that ends in
+  one raises. A resume refuses a checkpoint whose optimizer state is non-finite.
 - Replaced or reloaded under the Trainer: an ``auto_find_batch_size`` retry rebuilds the engine
   with the old one's masters and state, the old one closed (`_inner_training_loop`);
   ``load_best_model_at_end`` loads the best weights into the fp32 masters too

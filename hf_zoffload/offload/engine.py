@@ -583,13 +583,21 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- reporting
     def memory_report(self, *, accumulates: bool = False) -> dict:
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
-        structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
+        structure (see `memory.engine_report`), and its ``buckets`` (how many keep their state
+        on the host, how many on the device); ``accumulates``: also the buffers gradient
         accumulation over micro-steps will add, allocated or not."""
         p = self.plugin
         return engine_report(EngineFacts(
             tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
             self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
             p.master_dtype, p.delayed_update, p.offload_fraction_value), accumulates=accumulates)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes this rank has handed to each of the engine's own collectives since it was
+        built, by collective (reduce_scatter, all_gather, all_reduce, gather); empty with one
+        process. What scripts/bench/bench_offload.py counts per step."""
+        return dict(self.exchange.sent)
 
 
 def _buckets(n: int) -> str:

@@ -380,6 +380,8 @@ def engine_report(f: EngineFacts, *, accumulates: bool = False) -> dict:
     shards = sum(b.layout.shard for b in f.buckets)
     report["offload_fraction"] = 1.0 - sum(b.layout.shard for b in f.buckets
                                            if b.tier is Tier.DEVICE) / max(1, shards)
+    on_device = sum(1 for b in f.buckets if b.tier is Tier.DEVICE)
+    report["buckets"] = {"host": len(f.buckets) - on_device, "device": on_device}
     asked = f.offload_fraction_asked
     # Buckets are the unit of placement: one bucket larger than the device's share leaves it
     # all on the host. Said when the placement misses the ask by more than half the smaller

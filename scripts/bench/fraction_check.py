@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.integrations.defaults import default_config
-from hf_zoffload.offload.tiers import Tier
 
 LR, MAX_NORM, WD = 1e-3, 1.0, 0.01
 BATCH, SEQ, VOCAB = 8, 64, 2048
@@ -72,9 +71,9 @@ def engine_run(fraction: str, batches, *, bucket_mb: float, rows=slice(None)):
     seconds = time.perf_counter() - t0
     rep = opt.memory_report()
     host = sum(rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq"))
-    on_dev = sum(1 for b in opt.buckets if b.tier is Tier.DEVICE)
+    on_dev, buckets = rep["buckets"]["device"], sum(rep["buckets"].values())
     return params, {"host": host, "device": rep["device"].get("optimizer_state", 0),
-                    "seconds": seconds, "buckets": f"{on_dev}/{len(opt.buckets)}"}
+                    "seconds": seconds, "buckets": f"{on_dev}/{buckets}"}
 
 
 def _rank(rank: int, world: int, store: str, args, out: str) -> None:

@@ -297,7 +297,9 @@ def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, 
     assert "with optimizer offload alone the GPU would hold" in out
     assert "FSDP2 parameter offload keeps the weights on the host too" in out
     assert "of model states)." in out  # fits
-    assert any('--fsdp "full_shard offload" --zero_offload' in p for p in prompts)
+    assert any(config.TRAINER_FLAGS in p for p in prompts)
+    assert config.TRAINER_FLAGS == ('--fsdp --fsdp_config \'{"version": 2, "cpu_offload": '
+                                    'true}\' --zero_offload')  # not the deprecated string
     assert not any("stay on the host" in p for p in prompts)
     assert "offload_fraction stays 1" in out
     # "no": optimizer offload alone, and offload_fraction is asked as before
@@ -378,7 +380,7 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
     assert loaded.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     config.check_fsdp(loaded.fsdp_config)
     out = capsys.readouterr().out
-    assert 'with the Trainer pass --fsdp "full_shard offload" --zero_offload' in out
+    assert f"with the Trainer pass {config.TRAINER_FLAGS}" in out
     assert f"`hf-zoffload estimate --config_file {cfg} MODEL` counts it" in out
     # and it does: the config written turns estimate's mode on
     from hf_zoffload.commands.estimate import fsdp2_layout

@@ -154,3 +154,28 @@ def test_counting_rules():
         off.observe_loss(torch.tensor(float("nan")))
         off.after_step(_engine(math.nan))
     assert not off.in_streak
+
+
+def test_an_accelerate_loop_stops_on_the_gradient_norm():
+    """prepare_zero_offload: the loop's own loss is not seen; the engine's gradient norm is,
+    and the third non-finite step raises from optimizer.step()."""
+    from accelerate import Accelerator
+
+    from hf_zoffload import prepare_zero_offload
+
+    model = tiny_gpt2()
+    _poison_from(model, 3)
+    model.train()
+    model, opt = prepare_zero_offload(Accelerator(cpu=True), model,
+                                      torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = TokenBlocks(4, vocab=VOCAB, seq=16).ids
+    for step in range(1, 6):
+        model(input_ids=ids, labels=ids).loss.backward()
+        if step < 5:
+            opt.step()
+            opt.zero_grad()
+            assert opt.nonfinite.in_streak is (step >= 3)
+        else:
+            with pytest.raises(NonFiniteError, match=r"from step 3 \(grad_norm nan\); "
+                                                     r"stopped at step 5"):
+                opt.step()

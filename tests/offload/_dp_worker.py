@@ -105,7 +105,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
             loss = model(ids, extra_rows=ROWS // 2 if use_extra else 0,
                          extra_weight=0.5 * (ROWS // k))
             unsynced = step in (4, 9) or (step % 2 == 0 and micro < ACCUM - 1)
-            sent = dict(opt.exchange.sent) if opt.exchange.world > 1 else None
+            sent = opt.collective_bytes if opt.exchange.world > 1 else None
             with opt.no_sync() if unsynced else _null():
                 if kill_at == (step, micro) and rank == 1:
                     with open(os.path.join(kill_dir, "stopped_at"), "w") as fh:

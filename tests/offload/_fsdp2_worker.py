@@ -102,22 +102,27 @@ class Moved:
     """The bytes FSDP2's own collectives move on this rank while active: all-gather inputs
     (params up) and reduce-scatter outputs (this rank's gradient shard down), by dtype."""
 
+    # What FSDP2 calls: torch 2.13 dist.all_gather_single / reduce_scatter_single, torch 2.11
+    # dist.all_gather_into_tensor / reduce_scatter_tensor (output, then input, in both).
+    NAMES = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+             else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
     def __init__(self):
         self.up, self.down, self.on = {}, {}, False
-        ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+        ag_name, rs_name = self.NAMES
+        ag, rs = getattr(dist, ag_name), getattr(dist, rs_name)
 
-        def all_gather_single(output, input, **kw):
+        def all_gather(output, input, **kw):
             self._count(self.up, input)
             return ag(output, input, **kw)
 
-        def reduce_scatter_single(output, input, **kw):
+        def reduce_scatter(output, input, **kw):
             self._count(self.down, output)
             return rs(output=output, input=input, **kw)
 
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, \
-            reduce_scatter_single
-        self._restore = lambda: setattr(dist, "all_gather_single", ag) or \
-            setattr(dist, "reduce_scatter_single", rs)
+        setattr(dist, ag_name, all_gather)
+        setattr(dist, rs_name, reduce_scatter)
+        self._restore = lambda: setattr(dist, ag_name, ag) or setattr(dist, rs_name, rs)
 
     def _count(self, into, t):
         if self.on:

@@ -319,8 +319,8 @@ def test_resume_continues_exactly(state_dtype, make_engine):
 
 # ---------------------------------------------------------- memory figures
 def test_memory_report_splits_the_state_by_the_fraction(make_engine):
-    reports = {f: _trained(make_engine, f, steps=1)[1].memory_report()
-               for f in ("0", "0.5", "1")}
+    opts = {f: _trained(make_engine, f, steps=1)[1] for f in ("0", "0.5", "1")}
+    reports = {f: opt.memory_report() for f, opt in opts.items()}
     host = {f: sum(r["host"][k] for k in ("master", "exp_avg", "exp_avg_sq"))
             for f, r in reports.items()}
     dev = {f: r["device"]["optimizer_state"] for f, r in reports.items()}
@@ -329,6 +329,12 @@ def test_memory_report_splits_the_state_by_the_fraction(make_engine):
     assert 0.5 <= host["0.5"] / host["1"] < 0.75  # at least the fraction, about it
     assert reports["0"]["host"]["grad_staging"] == 0  # no landing buffer for device buckets
     assert reports["0"]["device"]["grad_resident"] > 0
+    n = sum(reports["1"]["buckets"].values())  # where each bucket's state is, counted
+    assert reports["1"]["buckets"] == {"host": n, "device": 0} and n == len(opts["1"].buckets)
+    assert reports["0"]["buckets"] == {"host": 0, "device": n}
+    assert reports["0.5"]["buckets"] == {"host": n - len(_on_device(opts["0.5"])),
+                                         "device": len(_on_device(opts["0.5"]))}
+    assert opts["0.5"].collective_bytes == {}  # one process: no collective
 
 
 # --------------------------------------------------------------------- auto
