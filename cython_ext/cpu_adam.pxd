@@ -19,6 +19,8 @@ cdef extern from "adam_kernel.h" nogil:
         HZ_FEAT_AVX512F
         HZ_FEAT_F16C
         HZ_FEAT_AVX512BF16
+        HZ_TRAFFIC_PLAIN
+        HZ_TRAFFIC_KINDS
 
     ctypedef struct hz_adam_args:
         float *param
@@ -68,6 +70,7 @@ cdef extern from "adam_kernel.h" nogil:
                           const float *ms, const float *us, size_t n, size_t bs)
     void hz_sr_round_buf(unsigned short *dst, const float *x, size_t n, unsigned int key,
                          unsigned int first)
-    void hz_traffic_range(float *a, float *b, float *c, const float *d, size_t lo, size_t hi)
+    void hz_traffic_range(int kind, float *a, float *b, float *c, const float *d, size_t lo,
+                          size_t hi)
     void hz_traffic8_range(float *p, unsigned short *g, unsigned char *mc, unsigned char *uc,
                            size_t lo, size_t hi)

@@ -6,6 +6,7 @@ Private: takes raw addresses and trusts them.  hf_zoffload.ops.adam_kernels vali
 """
 
 from cython.parallel cimport prange
+from libc.stdlib cimport free, malloc
 
 # The module is hf_zoffload.ops._cpu_adam, so Cython does not pair it with cpu_adam.pxd by name;
 # cimport the extern declarations explicitly (setup.py puts cython_ext on the include path).
@@ -64,29 +65,70 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
         fn(a, lo, hi)
 
 
-cdef inline void _traffic_range(int q8, void *a, void *b, void *c, void *d, size_t lo,
+cdef void _many_range(const hz_adam_args *args, const size_t *start, Py_ssize_t k,
+                      hz_range_fn fn, size_t lo, size_t hi) noexcept nogil:
+    # Elements [lo, hi) of the tensors laid end to end (tensor t holds [start[t], start[t + 1])):
+    # one call per tensor the range touches, on that tensor's part of it.
+    cdef Py_ssize_t a = 0, b = k, t, mid
+    cdef size_t end, h
+    while b - a > 1:  # the last t with start[t] <= lo
+        mid = (a + b) // 2
+        if start[mid] <= lo:
+            a = mid
+        else:
+            b = mid
+    t = a
+    while lo < hi and t < k:
+        end = start[t + 1]
+        if end > lo:  # an empty tensor ends where it starts
+            h = hi if hi < end else end
+            fn(&args[t], lo - start[t], h - start[t])
+            lo = h
+        t += 1
+
+
+cdef void _many_parallel(const hz_adam_args *args, const size_t *start, Py_ssize_t k,
+                         hz_range_fn fn, int num_threads) noexcept nogil:
+    # One parallel region over all the tensors: each thread one contiguous run of the elements
+    # laid end to end, across tensor boundaries, so a list of many small tensors costs one
+    # fork/join instead of one per tensor (or none run in parallel: each below MIN_PER_THREAD).
+    cdef size_t total = start[k], chunk, lo, hi
+    cdef Py_ssize_t c
+    num_threads = _threads_for(total, num_threads)
+    if num_threads <= 1:
+        _many_range(args, start, k, fn, 0, total)
+        return
+    chunk = _chunk_for(total, num_threads, ALIGN)
+    for c in prange(num_threads, schedule="static", num_threads=num_threads):
+        lo = <size_t>c * chunk
+        hi = lo + chunk if lo + chunk < total else total
+        if lo < hi:
+            _many_range(args, start, k, fn, lo, hi)
+
+
+cdef inline void _traffic_range(int kind, void *a, void *b, void *c, void *d, size_t lo,
                                 size_t hi) noexcept nogil:
-    if q8:
+    if kind < 0:
         hz_traffic8_range(<float *>a, <unsigned short *>b, <unsigned char *>c,
                           <unsigned char *>d, lo, hi)
     else:
-        hz_traffic_range(<float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
+        hz_traffic_range(kind, <float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
 
 
-cdef void _traffic_parallel(int q8, void *a, void *b, void *c, void *d, size_t n,
+cdef void _traffic_parallel(int kind, void *a, void *b, void *c, void *d, size_t n,
                             int num_threads) noexcept nogil:
     cdef size_t chunk, lo, hi
     cdef Py_ssize_t k, nchunks
     num_threads = _threads_for(n, num_threads)
     if num_threads <= 1:
-        _traffic_range(q8, a, b, c, d, 0, n)
+        _traffic_range(kind, a, b, c, d, 0, n)
         return
     chunk = _chunk_for(n, num_threads, ALIGN)  # the kernel's split, so the ceiling is comparable
     nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
     for k in prange(nchunks, schedule="static", num_threads=num_threads):
         lo = <size_t>k * chunk
         hi = lo + chunk if lo + chunk < n else n
-        _traffic_range(q8, a, b, c, d, lo, hi)
+        _traffic_range(kind, a, b, c, d, lo, hi)
 
 
 def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size_t out16,
@@ -137,10 +179,78 @@ def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
         _adam_parallel(&a, fn, n, num_threads)
 
 
-def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads):
-    """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3)."""
+def adam_step_many(list ptrs, list ns, list grad_kinds, list which, list scalars,
+                   int num_threads, int variant):
+    """fp32 params and moments, one update per tensor, in one parallel region over them all.
+    Tensor i: ptrs[4 i .. 4 i + 3] = param, exp_avg, exp_avg_sq, grad; ns[i] elements, grad
+    kind grad_kinds[i], scalars[which[i]] = (l2_on, lerp_small, grad_scale, decay, l2,
+    lerp_coef, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step) as adam_step takes them."""
+    cdef hz_range_fn fn = hz_select(variant)
+    if fn == NULL:
+        raise ValueError(f"kernel variant {variant} is not available in this build or CPU")
+    cdef Py_ssize_t k = len(ns), i, nt = len(scalars)
+    if len(ptrs) != 4 * k or len(grad_kinds) != k or len(which) != k:
+        raise ValueError("adam_step_many: ptrs, ns, grad_kinds and which disagree in length")
+    cdef hz_adam_args *tmpl = <hz_adam_args *>malloc((nt + k) * sizeof(hz_adam_args))
+    cdef size_t *start = <size_t *>malloc((k + 1) * sizeof(size_t))
+    cdef hz_adam_args *args = tmpl + nt
+    cdef hz_adam_args *a
+    cdef Py_ssize_t w
+    if tmpl == NULL or start == NULL:
+        free(tmpl)
+        free(start)
+        raise MemoryError()
+    try:
+        for i in range(nt):
+            a = &tmpl[i]
+            (a.l2_on, a.lerp_small, a.grad_scale, a.decay, a.l2, a.lerp_coef, a.beta2,
+             a.one_minus_beta2, a.inv_bc2_sqrt, a.eps, a.neg_step) = scalars[i]
+            a.state_kind = HZ_F32
+            a.out_kind = HZ_NONE
+            a.out16 = NULL
+            a.master_kind = HZ_F32
+            a.master16 = NULL
+            a.m_scale = NULL
+            a.v_scale = NULL
+            a.qblock = 0
+            a.inv_ratio_cap = 0.0
+            a.beta1 = 0.0
+            a.one_minus_beta1 = 0.0
+            a.sqrt_beta2 = 0.0
+            a.sr_key = 0
+            a.sr_first = 0
+        start[0] = 0
+        for i in range(k):
+            w = which[i]
+            if w < 0 or w >= nt:
+                raise ValueError(f"adam_step_many: which[{i}] = {w} names no scalars")
+            args[i] = tmpl[w]
+            args[i].param = <float *><size_t>ptrs[4 * i]
+            args[i].exp_avg = <void *><size_t>ptrs[4 * i + 1]
+            args[i].exp_avg_sq = <void *><size_t>ptrs[4 * i + 2]
+            args[i].grad = <const void *><size_t>ptrs[4 * i + 3]
+            args[i].grad_kind = grad_kinds[i]
+            start[i + 1] = start[i] + <size_t>ns[i]
+        with nogil:
+            _many_parallel(args, start, k, fn, num_threads)
+    finally:
+        free(tmpl)
+        free(start)
+
+
+# The ways of the 28-B ceiling pass (adam_kernel.h's HZ_TRAFFIC_*), by name.
+TRAFFIC_KINDS = {"plain": 0, "unroll 4": 1, "prefetch 512": 2, "prefetch 2048": 3,
+                 "streaming stores": 4}
+
+
+def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads,
+                 int kind=HZ_TRAFFIC_PLAIN):
+    """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3),
+    moved the way ``kind`` (a value of TRAFFIC_KINDS) says."""
+    if kind < 0 or kind >= HZ_TRAFFIC_KINDS:
+        raise ValueError(f"traffic kind {kind}: one of {sorted(TRAFFIC_KINDS.values())}")
     with nogil:
-        _traffic_parallel(0, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
+        _traffic_parallel(kind, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
 
 
 def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes, size_t n,
@@ -148,7 +258,7 @@ def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes,
     """Memory ceiling over 8-bit moments: fp32 params, 16-bit grads and two code bytes, each
     read and written in place (16 B/param, the engine's int8 call less its block scales)."""
     with nogil:
-        _traffic_parallel(1, <void *>param, <void *>grad16, <void *>m_codes, <void *>v_codes, n,
+        _traffic_parallel(-1, <void *>param, <void *>grad16, <void *>m_codes, <void *>v_codes, n,
                           num_threads)
 
 

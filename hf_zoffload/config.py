@@ -1,7 +1,7 @@
 """`ZeroOffloadPlugin`: every offload setting, under one name end to end.
 
 A setting named ``x`` is the wizard's question ``x``, the key ``x`` under ``zoffload:`` in the
-sidecar yaml, the environment variable ``HF_ZOFFLOAD_X``, the field ``ZeroOffloadPlugin.x`` and
+sidecar yaml, the environment variable ``HF_ZOFFLOAD_<X>``, the field ``ZeroOffloadPlugin.x`` and
 the Trainer argument ``--zero_offload_x``.  Unknown keys and bad values raise ``ValueError``
 naming the key and what is allowed.
 """
@@ -20,15 +20,25 @@ from .units import SIZE_UNITS, parse_quantity, parse_size  # noqa: F401 (re-expo
 ENV_PREFIX = "HF_ZOFFLOAD_"
 CONFIG_ENV = "HF_ZOFFLOAD_CONFIG"
 ENABLED_ENV = "HF_ZOFFLOAD_ENABLED"
+TRACEBACK_ENV = "HF_ZOFFLOAD_TRACEBACK"
 
 COMPUTE_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
 MASTER_DTYPES = ("fp32", "bf16")
 SAVE_DTYPES = ("fp32", "compute")
-# Variables with the prefix that are not engine settings: the on/off switch, the sidecar's
-# path, and build switches read by setup.py.
-NOT_SETTINGS = ("ENABLED", "CONFIG", "PORTABLE_BUILD", "NO_OPENMP")
+# Variables with the prefix that are not engine settings, and who reads them; every
+# HF_ZOFFLOAD_ name the package, its scripts and docs mention is a setting or one of these
+# (tests/test_env_names.py greps them).
+NOT_SETTINGS = {
+    "ENABLED": "the on/off switch (enabled_from_sources)",
+    "CONFIG": "the sidecar yaml's path (sourced_values)",
+    "TRACEBACK": "a bad setting raised with its traceback (commands/errors.py)",
+    "PORTABLE_BUILD": "setup.py: no -march=native",
+    "NO_OPENMP": "setup.py: the kernel built without OpenMP",
+    "REQUIRE_GPU": "the test suite: a skipped gpu test fails (tests/conftest.py)",
+    "CACHE": "scripts/gpu/setup_stack.sh: where the GPU check's environment lives",
+}
 
 
 def _knob(default, help, *, choices=None, minimum=None, exclusive_min=False, maximum=None,
@@ -134,6 +144,15 @@ class ZeroOffloadPlugin:
     max_grad_norm: float = _knob(
         0.0, "clip the global gradient norm to this value; 0 disables clipping.", minimum=0.0
     )
+    # 3: in bf16/fp32 the masters are non-finite from the first bad step on, so the stop
+    # comes 2 steps later with nothing saved in between; in fp16 a batch whose loss alone was
+    # non-finite is skipped, and the clean ones after it end the streak.
+    max_nonfinite_steps: int = _knob(
+        3, "consecutive optimizer steps with a non-finite loss or gradient norm after which "
+        "the run stops with an error naming the first (an fp16 overflow skip counts only "
+        "once the loss scale is at min_scale); the Trainer saves no checkpoint while such a "
+        "streak lasts. 0: never stop.", minimum=0
+    )
     kernels: str = _knob(
         "auto",
         "device kernels for unscale/inf-check/norm: auto (Triton on CUDA, torch on CPU), "
@@ -161,6 +180,17 @@ class ZeroOffloadPlugin:
     min_scale: float = _knob(
         1.0, "floor of the fp16 loss scale.", minimum=0.0, exclusive_min=True, maximum=FP32_MAX
     )
+
+    def __new__(cls, *args, **kwargs):
+        # The dataclass's own __init__ would say only "unexpected keyword argument": the
+        # closest name too, as every other route (yaml, variables, arguments) says.
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"ZeroOffloadPlugin() got an unexpected keyword argument "
+                            f"{unknown[0]!r}; allowed: {', '.join(names)}"
+                            f"{closest(unknown[0], names)}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -395,8 +425,8 @@ def _env_str(v: Any) -> str:
 def env_values(environ=None) -> dict[str, str]:
     """The ``HF_ZOFFLOAD_<NAME>`` settings present in ``environ``; unknown names raise.
 
-    ``HF_ZOFFLOAD_CONFIG``, ``HF_ZOFFLOAD_ENABLED`` and the build switches (`NOT_SETTINGS`)
-    are not settings and are not read here."""
+    ``HF_ZOFFLOAD_CONFIG``, ``HF_ZOFFLOAD_ENABLED``, ``HF_ZOFFLOAD_TRACEBACK``, the build
+    and test-suite switches (`NOT_SETTINGS`) are not settings and are not read here."""
     environ = os.environ if environ is None else environ
     out = {}
     for key, value in environ.items():

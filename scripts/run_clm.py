@@ -101,12 +101,82 @@ def check_sources(margs: ModelArguments, data: DataArguments, *, do_train: bool 
             raise ValueError(message)
 
 
+DATA_KINDS = {"txt": "text", "json": "json", "jsonl": "json", "csv": "csv"}
+
+
+def _hub_id(value: str) -> bool:
+    """Whether ``value`` can be a hub repository id ('name' or 'org/name')."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_paths(margs: ModelArguments, data: DataArguments) -> None:
+    """Local paths exist and are what their option reads, and data files are of a kind
+    load_texts reads, before anything loads: a missing or mistyped path would otherwise go to
+    the hub (34-53 s of retries offline, then a connection error). A value that is no local
+    path and can be a hub id ('gpt2', 'org/name') is left to the hub."""
+    dirs = [("--model_name_or_path", margs.model_name_or_path, "config.json"),
+            ("--tokenizer_name", margs.tokenizer_name, None),
+            ("--config_name", margs.config_name, "config.json"),
+            ("--dataset_name", data.dataset_name, None)]
+    for option, value, needs in dirs:
+        if value is None:
+            continue
+        if os.path.exists(value):
+            if option == "--config_name" and os.path.isfile(value) and value.endswith(".json"):
+                continue
+            if not os.path.isdir(value) and option != "--dataset_name":  # a loading script
+                raise NotADirectoryError(f"{option} {value}: a file; expected a directory")
+            if needs and not os.path.isfile(os.path.join(value, needs)):
+                raise FileNotFoundError(f"{option} {value}: no {needs} in that directory")
+            continue
+        local = not _hub_id(value) or value.endswith((".json", ".py")) or \
+            value.startswith((".", "~", os.sep))
+        if local:
+            raise FileNotFoundError(
+                f"{option} {value}: no such file or directory (a local path must exist; a "
+                "hub id is 'name' or 'org/name')")
+    files = [(o, v) for o, v in (("--train_file", data.train_file),
+                                 ("--validation_file", data.validation_file)) if v]
+    kinds = set()
+    for option, value in files:
+        ext = value.rsplit(".", 1)[-1].lower() if "." in os.path.basename(value) else ""
+        if ext not in DATA_KINDS:
+            raise ValueError(f"{option} {value}: unsupported extension "
+                             f"{'.' + ext if ext else '(none)'}; allowed: "
+                             f"{', '.join('.' + k for k in DATA_KINDS)}")
+        if not os.path.isfile(value):
+            raise FileNotFoundError(f"{option} {value}: no such file")
+        kinds.add(DATA_KINDS[ext])
+    if len(kinds) > 1:
+        raise ValueError(f"--train_file and --validation_file of different kinds "
+                         f"({', '.join(v for _, v in files)}): give both as one of "
+                         f"{', '.join('.' + k for k in DATA_KINDS)}")
+
+
+def check_fsdp(args) -> None:
+    """``--fsdp`` outside a distributed launch: transformers refuses it when the Trainer is
+    built, after the data was tokenized and the model built; refused here, before any work."""
+    from transformers.training_args import ParallelMode
+
+    if args.fsdp and args.parallel_mode != ParallelMode.DISTRIBUTED:
+        raise ValueError("--fsdp needs a distributed launch (transformers refuses FSDP in a "
+                         "process that is not one): torchrun --nproc_per_node N "
+                         "scripts/run_clm.py ... (N = 1 works too), or accelerate launch")
+
+
 def cpu_launch(argv, env, accelerator) -> bool:
-    """True when this is one of several launched processes (torchrun sets WORLD_SIZE) on a
+    """True when this is a launched process (torchrun sets WORLD_SIZE and LOCAL_RANK) on a
     machine with no accelerator, without --use_cpu: accelerate then sets up no process group
     (it starts its multi-CPU one only when told cpu=True), so every rank would train the
-    same batches alone and log and save each. ``--use_cpu`` must then be added."""
-    if accelerator is not None or int(env.get("WORLD_SIZE", "1")) <= 1:
+    same batches alone and log and save each, and one launched process would not count as
+    distributed (--fsdp refused). ``--use_cpu`` must then be added."""
+    if accelerator is not None or "WORLD_SIZE" not in env or "LOCAL_RANK" not in env:
         return False
     if env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return False  # accelerate launch --cpu: the Trainer reads it too
@@ -150,8 +220,7 @@ def load_texts(data: DataArguments):
         files = {"train": data.train_file} if data.train_file else {}
         if data.validation_file:
             files["validation"] = data.validation_file
-        ext = (data.train_file or data.validation_file).rsplit(".", 1)[-1]
-        kind = {"txt": "text", "jsonl": "json"}.get(ext, ext)
+        kind = DATA_KINDS[(data.train_file or data.validation_file).rsplit(".", 1)[-1].lower()]
         raw = load_dataset(kind, data_files=files, keep_linebreaks=True) if kind == "text" \
             else load_dataset(kind, data_files=files)
     else:
@@ -299,6 +368,8 @@ def main(argv=None) -> dict:
             args=[*argv, "--use_cpu"] if add_cpu else argv)
 
     check_sources(margs, data, do_train=args.do_train)
+    check_paths(margs, data)  # before anything loads: nothing goes to the hub by mistake
+    check_fsdp(args)
     config = model_config(margs)  # unknown types, bad overrides: before any data or model
     if data.block_size is not None:
         choose_block_size(data.block_size, config, data.block_size)  # too long: refused now
@@ -315,6 +386,10 @@ def main(argv=None) -> dict:
     set_seed(args.seed)
 
     raw = load_texts(data)
+    if args.do_eval and not data.validation_file and not data.dataset_name:
+        logger.info("--do_eval without --validation_file: evaluating on the last %d%% of %s, "
+                    "held out of training", data.validation_split_percentage,
+                    data.train_file or "the built-in standard-library corpus")
     tok_source = margs.tokenizer_name or margs.model_name_or_path
     if tok_source:
         tokenizer = AutoTokenizer.from_pretrained(tok_source)

@@ -54,6 +54,8 @@ BAD_VALUES = [
     ("device_memory_limit", "lots", "expected a number with a unit"),
     ("max_grad_norm", -0.5, "must be >= 0.0"),
     ("max_grad_norm", "inf", "not a valid float (a finite number)"),
+    ("max_nonfinite_steps", -1, "must be >= 0"),
+    ("max_nonfinite_steps", 2.5, "not a valid int"),
     ("kernels", "cuda", "not allowed; allowed: auto, triton, torch"),
     ("init_scale", 0, "must be > 0.0"),
     ("init_scale", "1e39", "must be <= 3.4028234663852886e+38"),

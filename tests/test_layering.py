@@ -11,11 +11,12 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "hf_zoffload"
 # offload/ in dependency order, sub-packages' files dotted: a file may import only files
 # listed before it.
-OFFLOAD_ORDER = ["support", "layout", "host", "threads", "copier", "updaters", "state",
+OFFLOAD_ORDER = ["tiers", "support", "layout", "host", "threads", "copier", "updaters", "state",
                  "modes.exchange", "modes.collectives", "modes.partitioned",
-                 "modes.tensor_parallel", "modes.fsdp2_offload", "delayed",
+                 "modes.mesh", "modes.tensor_parallel", "modes.fsdp2_offload",
+                 "modes.resolve", "delayed",
                  "update", "params", "memory", "fraction", "progress", "checkpoint", "hooks",
-                 "reorder", "engine"]
+                 "reorder", "build", "engine"]
 
 
 def _module(path: Path) -> str:

@@ -104,7 +104,7 @@ FSDP2_OFFLOAD = {"fsdp_version": 2, "fsdp_offload_params": True,
                  "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                  "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT",
                  "fsdp_cpu_ram_efficient_loading": False, "fsdp_activation_checkpointing": False}
-TRAINER_FLAGS = '--fsdp "full_shard offload" --zero_offload'
+TRAINER_FLAGS = '--fsdp --fsdp_config \'{"version": 2, "cpu_offload": true}\' --zero_offload'
 
 
 def accelerate_fsdp(acc) -> dict | None:
@@ -219,7 +219,9 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
     """The offload questions; returns (enabled, plugin, the settings the user chose, FSDP2
     parameter offload). ``on_gpu``: accelerate's answers train on GPUs, so the wizard asks
     for the model and the GPU's memory and proposes FSDP2 parameter offload where the
-    16-bit weights do not fit with optimizer offload alone; ``fsdp``: the FSDP config
+    16-bit weights do not fit with optimizer offload alone, and asks the GPU-only settings
+    (offload_fraction, pin_memory, kernels); every other setting is asked too, the less
+    common ones behind one yes/no, a bf16 master only with bf16 compute; ``fsdp``: the FSDP config
     accelerate's answers chose, if any (with ZeRO-Offload on, refused unless it is FSDP2
     parameter offload: `check_fsdp`)."""
     from accelerate.commands.config.config_utils import _ask_field
@@ -249,29 +251,50 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
               "the host too, and FSDP2 brings them to the GPU one layer group at a time.")
     elif on_gpu:
         fsdp2 = ask_param_offload(_ask_field, ZeroOffloadPlugin(**ask.answers))
-    ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied to the "
-        "host one bucket at a time)?")
-    ask("pin_memory", "Use pinned (page-locked) host buffers for the copies (CUDA only)?")
-    if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the next "
-           "forward/backward, on parameters one step stale)?"):
-        ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
-    ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
-                       "processes per node)?")
+    # The common path: what decides the memory and the numbers. What cannot apply is not
+    # asked: a bf16 master needs bf16 compute; the GPU placement and CUDA's pinned buffers
+    # and Triton kernels have no meaning on CPU processes.
     ask("state_dtype", "In which dtype should the host keep the Adam moments "
         "(fp32/bf16/int8/int4)?")
+    if ask.answers["compute_dtype"] == "bf16":
+        ask("master_dtype", "In which dtype should the host keep the master weights (fp32; "
+            "bf16: the bf16 params themselves with stochastic rounding, 2 B/param less)?")
     ask("host_memory_limit", "How much host memory may each process use for the optimizer "
         "state, with a unit (48GiB; 0: what the machine has available)?")
     if fsdp2:  # the engine refuses a fraction below 1 there (engine.py)
         print("offload_fraction stays 1: with FSDP2 parameter offload the parameters, and so "
               "all optimizer state, live on the host.")
-    elif ask("offload_fraction", "Which share of the optimizer state should stay on the host, "
-             "from 0 to 1 (the first layers' state is kept and updated on the GPU; auto: as "
-             "much on the GPU as the first step leaves free)?") == "auto":
+    elif on_gpu and ask(
+            "offload_fraction", "Which share of the optimizer state should stay on the host, "
+            "from 0 to 1 (the first layers' state is kept and updated on the GPU; auto: as "
+            "much on the GPU as the first step leaves free)?") == "auto":
         ask("device_memory_limit", "How much GPU memory may auto plan with, with a unit "
             "(40GiB; 0: the GPU's total)?")
     ask("save_dtype", "Which weights should the Trainer and Accelerate paths save as the "
                       "model's: the fp32 master weights or the compute-dtype copy "
                       "(fp32/compute)?")
+    gpu_only = ", pinned buffers, kernels" if on_gpu else ""
+    if _ask_field(f"Do you want to customize the advanced settings (buckets, threads{gpu_only}, "
+                  "the delayed update, clipping, the non-finite stop)? [yes/NO]: ", _yes,
+                  default=False):
+        ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied "
+            "to the host one bucket at a time)?")
+        if on_gpu:
+            ask("pin_memory", "Use pinned (page-locked) host buffers for the copies?")
+        if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the "
+               "next forward/backward, on parameters one step stale)?"):
+            ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
+        ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
+                           "processes per node)?")
+        ask("bind_cores", "With several processes on a node, bind each to its share of the "
+                          "physical cores?")
+        if on_gpu:
+            ask("kernels", "Which device kernels for the unscale, check and norm "
+                           "(auto/triton/torch)?")
+        ask("max_grad_norm", "Clip the global gradient norm to (0: no clipping; the Trainer "
+                             "passes its own --max_grad_norm)?")
+        ask("max_nonfinite_steps", "Stop the run after how many optimizer steps running with "
+                                   "a non-finite loss or gradient norm (0: never)?")
     if ask.answers["compute_dtype"] == "fp16" and _ask_field(
         "Do you want to customize the fp16 dynamic loss scaler? [yes/NO]: ", _yes, default=False
     ):

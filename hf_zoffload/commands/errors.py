@@ -15,11 +15,14 @@ import os
 import sys
 from collections.abc import Callable
 
+from hf_zoffload.config import TRACEBACK_ENV
+
 __all__ = ["USER_ERRORS", "TRACEBACK_ENV", "run_command"]
 
+# FloatingPointError: the non-finite stop (integrations/nonfinite.py), whose message names
+# the first bad step and what to do.
 USER_ERRORS = (ValueError, MemoryError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
-TRACEBACK_ENV = "HF_ZOFFLOAD_TRACEBACK"
+               IsADirectoryError, PermissionError, FloatingPointError)
 
 
 def run_command(prog: str, main: Callable[[], object]) -> int:

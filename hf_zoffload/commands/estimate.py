@@ -37,9 +37,11 @@ def add_parser(subparsers):
     p.add_argument("--frozen_params", default="0", help="frozen parameters (kept on the GPU)")
     p.add_argument("--num_gpus", type=int, default=1, help="processes, one per GPU (default 1)")
     p.add_argument("--gpu_memory", default=None,
-                   help="memory of one GPU, with a unit (required): 24GiB, 80GB, ...")
+                   help="memory of one GPU, with a unit (24GiB, 80GB, ...): with it the "
+                        "figures say whether they fit")
     p.add_argument("--host_memory", default=None,
-                   help="host memory of the machine, with a unit (required): 256GiB, ...")
+                   help="host memory of the machine, with a unit (256GiB, ...): with it "
+                        "the figures say whether they fit")
     p.add_argument("--compute_dtype", default=None, choices=["fp16", "bf16", "fp32"],
                    help="default: the effective ZeRO-Offload config")
     p.add_argument("--bucket_size_mb", type=float, default=None,

@@ -117,10 +117,18 @@ def _device_type(args) -> str:
 def run_argv(argv: list[str]) -> int:
     args = _accelerate_parser().parse_args(argv)
     n_script = 1 + len(args.training_script_args)
+    # accelerate would start and fail with 15 lines of traceback: one line here instead
+    if args.config_file and not os.path.isfile(args.config_file):
+        raise FileNotFoundError(f"--config_file {args.config_file}: no such file (accelerate's "
+                                "config; `hf-zoffload config --config_file "
+                                f"{args.config_file}` writes one)")
     # a bad sidecar or setting: one line before anything starts (commands/errors.py)
     sidecar = find_sidecar(zoffload_config=args.zoffload_config,
                            config_file=args.config_file, environ=os.environ)
     env = launch_env(sidecar, device_type=_device_type(args))
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        raise FileNotFoundError(f"the training script {args.training_script}: no such file "
+                                "(-m runs a module, --no_python a command)")
     where = sidecar or "defaults and HF_ZOFFLOAD_* variables (no sidecar yaml found)"
     state = "enabled" if env[ENABLED_ENV] == "true" else "disabled"
     print(f"hf-zoffload launch: ZeRO-Offload {state}; settings from {where}", file=sys.stderr)

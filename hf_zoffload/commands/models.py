@@ -35,8 +35,13 @@ def model_config(model: str | None, *, flag: str = "--model", model_type: str | 
             raise ValueError(f"unknown --model_type {model_type!r}")
         cfg = CONFIG_MAPPING[model_type]()
     elif os.path.isfile(model):  # a config.json
-        with open(model) as fh:
-            found = json.load(fh).get("model_type")
+        try:
+            with open(model) as fh:
+                data = json.load(fh)
+            found = data.get("model_type") if isinstance(data, dict) else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{flag} {model}: not a model config (a config.json, or a model "
+                             f"folder holding one): its text is not JSON ({err})") from None
         if found not in CONFIG_MAPPING:
             raise ValueError(f"{model}: no known 'model_type' ({found!r})")
         cfg = CONFIG_MAPPING[found].from_json_file(model)

@@ -7,7 +7,9 @@ Both `ZeroOffloadTrainer` (trainer.py) and `prepare_zero_offload` (accelerate.py
   marked prepared (``accelerator.prepare`` registers it as is: the stock wrapper would copy the
   host state to the device, 12 B/param, and patch ``step`` for a torch GradScaler we do not
   use). Its ``step_was_skipped`` is the engine's overflow skip, so the scheduler holds on those
-  steps; it also sums the engine's per-step timings for the Trainer's log window.
+  steps; it also sums the engine's per-step timings for the Trainer's log window, and holds
+  the non-finite stop (`nonfinite.NonFiniteStop`, ``max_nonfinite_steps``), judged after
+  each optimizer step.
 - `install`: the one place an accelerator is patched, on that instance only (no class is
   touched): the fp16 loss scaler becomes ``accelerator.scaler`` and ``clip_grad_norm_`` /
   ``clip_grad_value_`` route the engine's params to the engine (their gradients were streamed
@@ -54,6 +56,8 @@ from transformers.utils import (
     WEIGHTS_NAME,
 )
 
+from .nonfinite import NonFiniteStop
+
 __all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
            "engine_params", "tensor_parallel", "trains", "prepare_models", "take_whole_tensors",
            "saved_state_dict",
@@ -87,6 +91,8 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         self.first = True  # the engine times fwd_bwd from the previous step's end: none yet
+        # max_nonfinite_steps (nonfinite.py); the Trainer numbers its steps and feeds losses
+        self.nonfinite = NonFiniteStop(engine.plugin.max_nonfinite_steps)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -103,6 +109,7 @@ class OffloadedOptimizer(AcceleratedOptimizer):
                         self.window[k] += self.optimizer.timings[k]
                         self.counts[k] += 1
             self.first = False
+            self.nonfinite.after_step(self.optimizer)
         return out
 
     def take_window(self) -> dict:

@@ -58,6 +58,10 @@ the accelerator exists; the private Trainer methods taken part in are `compat.Tr
   in 5.17's loop), the accelerator's method is what both call.
 - Skipped steps: ``accelerator.optimizer_step_was_skipped`` reads our wrapper's
   ``step_was_skipped``, i.e. the engine's overflow skip, so the scheduler holds on those steps.
+- Non-finite stop (nonfinite.py, ``max_nonfinite_steps``): ``training_step`` hands each raw
+  loss to it (the Trainer's log filters non-finite ones), the wrapper's step judges it with the
+  engine's norm; no checkpoint is saved inside a non-finite streak, and training that ends in
+  one raises. A resume refuses a checkpoint whose optimizer state is non-finite.
 - Replaced or reloaded under the Trainer: an ``auto_find_batch_size`` retry rebuilds the engine
   with the old one's masters and state, the old one closed (`_inner_training_loop`);
   ``load_best_model_at_end`` loads the best weights into the fp32 masters too
@@ -107,6 +111,7 @@ from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
 from . import compat, completeness, core, fsdp2, parallel
+from .nonfinite import NonFiniteError
 from .arguments import (
     ALLOWED_OPTIMS,
     ZeroOffloadArgumentsMixin,
@@ -353,6 +358,8 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
             # evaluating, the end of training) first lands a pending delayed update.
             self.optimizer = self._plan.wire(self.accelerator, engine, [opt_model],
                                              replace=True)
+            # the Trainer's step numbers in the non-finite stop's messages
+            self.optimizer.nonfinite.step_number = lambda: self.state.global_step + 1
         return self.optimizer
 
     # A checkpoint is whole once its marker is there, written last (completeness.py says
@@ -362,6 +369,12 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
     def _zo_save_checkpoint(self, stock, trial) -> None:
         if not self.zero_offload:
             return stock()
+        stop = self.optimizer.nonfinite if self.engine is not None else None
+        if stop is not None and stop.in_streak:  # nonfinite.py: rotation keeps the finite one
+            logger.warning("ZeRO-Offload: checkpoint of step %d not saved: the loss or "
+                           "gradient norm has been non-finite since step %d (%s)",
+                           self.state.global_step, stop.first_bad, stop.first_what)
+            return None
         folder = compat.checkpoint_folder(self, trial)
         if self.args.should_save:
             completeness.remove_marker(folder)
@@ -375,7 +388,21 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
         self._attempts = 0  # of `_inner_training_loop` in this call (auto_find_batch_size)
         if self.zero_offload and resume_from_checkpoint is True:
             resume_from_checkpoint = self._newest_complete_checkpoint()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
+        stop = self.optimizer.nonfinite if self.engine is not None else None
+        if stop is not None and stop.in_streak:  # the weights a save_model now writes
+            raise NonFiniteError(
+                f"ZeRO-Offload: training ended {stop.streak} step(s) into a run of non-finite "
+                f"steps from step {stop.first_bad} ({stop.first_what}), fewer than "
+                f"max_nonfinite_steps={stop.limit}; no checkpoint was saved from step "
+                f"{stop.first_bad} on, and the model's weights are not to be saved")
+        return out
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if self.engine is not None:  # the raw loss: the Trainer's log filters non-finite ones
+            self.optimizer.nonfinite.observe_loss(loss)
+        return loss
 
     def _newest_complete_checkpoint(self) -> str | bool:
         """``resume_from_checkpoint=True``: the newest checkpoint in ``output_dir`` that
@@ -390,7 +417,7 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
         for ckpt in reversed(sort_checkpoints(out)):  # newest first
             if not re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", os.path.basename(ckpt)):
                 continue  # what get_last_checkpoint takes: not checkpoint-4-old
-            why = completeness.why_incomplete(ckpt)
+            why = completeness.why_incomplete(ckpt) or completeness.nonfinite_problem(ckpt)
             if why is None:
                 if skipped and self.args.should_log:
                     logger.warning("resume_from_checkpoint=True: resuming from %s, the newest "
@@ -402,6 +429,18 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
                          + "; ".join(f"{c} is incomplete ({w})" for c, w in skipped)
                          + ". Start without resuming, or delete the broken checkpoints")
 
+    def _older_whole(self, ckpt: str) -> str:
+        """What a refusal of ``ckpt`` adds: the newest other checkpoint beside it that is
+        whole and finite, or that there is none."""
+        parent = os.path.dirname(os.path.abspath(ckpt))
+        whole = (c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(c, ckpt)
+                 and completeness.why_incomplete(c) is None
+                 and completeness.nonfinite_problem(c) is None)
+        found = next(whole, None)
+        return (f"The newest complete checkpoint is {found}: resume from it "
+                "(resume_from_checkpoint=True picks it)" if found else
+                f"No complete checkpoint in {parent}: start without resuming")
+
     def _zo_load_from_checkpoint(self, stock, resume_from_checkpoint) -> None:
         # Checked before anything is loaded, so a refused checkpoint changes nothing.
         ckpt = resume_from_checkpoint
@@ -409,14 +448,18 @@ class ZeroOffloadTrainerMixin(compat.TrainerInternals):
             return stock()
         why = completeness.why_incomplete(ckpt)
         if why:
-            parent = os.path.dirname(os.path.abspath(ckpt))
-            whole = [c for c in reversed(sort_checkpoints(parent)) if not os.path.samefile(
-                c, ckpt) and completeness.why_incomplete(c) is None]
-            raise ValueError(
-                f"checkpoint {ckpt} is incomplete ({why}): its save was interrupted. "
-                + (f"The newest complete checkpoint is {whole[0]}: resume from it "
-                   "(resume_from_checkpoint=True picks it)" if whole else
-                   f"No complete checkpoint in {parent}: start without resuming"))
+            raise ValueError(f"checkpoint {ckpt} is incomplete ({why}): its save was "
+                             f"interrupted. {self._older_whole(ckpt)}")
+        with _loading(ckpt, compat.OPTIMIZER_NAME):
+            why = completeness.nonfinite_problem(ckpt)
+        if why:
+            raise ValueError(f"checkpoint {ckpt}: {why}: its run had diverged when it saved, "
+                             f"or the file changed since; nothing was loaded. "
+                             f"{self._older_whole(ckpt)}")
+        changed = completeness.changed_since_saved(ckpt)
+        if changed and self.args.should_log:
+            logger.info("checkpoint %s changed since it was saved (%s); what a resume reads is "
+                        "whole: resuming from it", ckpt, "; ".join(changed))
         files = completeness.weight_files(ckpt)
         what = files[0] if len(files) == 1 else f"the weights ({', '.join(files)})" if files \
             else "the weights"

@@ -35,7 +35,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
     other ranks get the same dict with no state, marked so that loading it fails).
 
     Reads the engine's public facts: ``buckets`` (layout and host state), ``param_steps``,
-    ``exchange`` (world, gather, whole_tensors, keeps_gathered), ``loss_scaler``,
+    ``exchange`` (world, gather, and its span's whole_tensors, keeps_gathered), ``loss_scaler``,
     ``skipped_steps``,
     ``applied_steps``."""
     ex = opt.exchange
@@ -52,8 +52,8 @@ def state_dict(opt, *, to: int = 0) -> dict:
             sl = slice(s.offset, s.offset + s.numel)
             parts.append((s, [t[sl] for t in got]))  # master, exp_avg, exp_avg_sq
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
-    state, empty_here = {}, not ex.keeps_gathered(to)
-    for (s, _), (master, exp_avg, exp_avg_sq) in zip(parts, ex.whole_tensors(parts)):
+    state, empty_here = {}, not ex.span.keeps_gathered(to)
+    for (s, _), (master, exp_avg, exp_avg_sq) in zip(parts, ex.span.whole_tensors(parts)):
         # clone: a view would pickle the whole flat bucket storage with each param
         state[s.index] = {
             "step": torch.tensor(float(opt.param_steps[s.index])),
@@ -80,7 +80,7 @@ def state_dict(opt, *, to: int = 0) -> dict:
             "bucket_order": opt.bucket_order,
             "sr_seed": opt.sr_seed,  # a bf16 master's stochastic rounding: a resume continues
             # the key is part of the saved format: a rank's dict without the state
-            **({"shell_of_rank": getattr(ex, "coll", ex).rank} if empty_here else {}),
+            **({"shell_of_rank": ex.span.rank} if empty_here else {}),
         },
     }
 
@@ -98,14 +98,14 @@ def master_state_dict(opt, model: torch.nn.Module, *, to: int = 0) -> dict | Non
             master = got[0].cpu()  # a device bucket's master too
             parts += [(s, [master[s.offset:s.offset + s.numel]]) for s in b.layout.slots]
     parts.sort(key=lambda x: x[0].index)  # `whole` is a collective per param: one order
-    masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.whole_tensors(parts))}
+    masters = {id(s.param): m for (s, _), (m,) in zip(parts, ex.span.whole_tensors(parts))}
     trained = {id(s.param) for b in opt.buckets for s in b.layout.slots}
     others = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
               if id(t) not in trained}
     for name, t in others.items():  # frozen DTensors: every rank of the mesh gathers
         if is_dtensor(t):
             others[name] = t.full_tensor()
-    if not ex.keeps_gathered(to):
+    if not ex.span.keeps_gathered(to):
         return None
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -150,7 +150,7 @@ def load_master_state_dict(opt, model: torch.nn.Module, sd: dict) -> None:
         own, mine = b.layout.owned(s)
         value = value.detach()
         whole = (value.to_local().to("cpu", torch.float32).reshape(-1) if is_dtensor(value)
-                 else opt.exchange.local_part(s, value.to("cpu", torch.float32)))
+                 else opt.exchange.span.local_part(s, value.to("cpu", torch.float32)))
         b.state.master[own].copy_(whole[mine])
         s.flat().copy_(whole)  # every rank holds all of its local tensor
 
@@ -263,7 +263,7 @@ def apply_load(opt, lp: LoadPlan) -> None:
         b, s = ours_by_param[p]
         own, mine = b.layout.owned(s)  # this rank's part: host slice, slice of the param
         h = b.state
-        part = opt.exchange.local_part  # a whole tensor's elements of this rank's local one
+        part = opt.exchange.span.local_part  # a whole tensor's elements of this rank's local one
         h.set_moments(own.start, part(s, st["exp_avg"])[mine], part(s, st["exp_avg_sq"])[mine])
         if "master" in st:
             master = part(s, st["master"])

@@ -1,17 +1,19 @@
 """Copies between the device and the host, and the waits that order them. No collective here.
 
-`Copier` is the interface, a docstring per method. `CudaCopier` overlaps copies with compute
-on one side stream, ordered by events; `HostCopier` is the same interface for params that live
-on the CPU (no streams, no pinning), which is how
-the engine runs on a machine without a GPU and in the test suite. Every copy is keyed by its
-bucket's index: `wait_landed(key)` before the host reads what `to_host` wrote,
-`wait_uploaded(key)` before the host overwrites what `to_params` / `to_flat` read. Once a
-bucket's params are all written on the side stream, `mark_ready(key)`; the compute stream then
-waits for the buckets a module uses (`wait_ready(keys)`, before its forward) or for all of
-them (`finish_uploads`). The stream rules are stated where each copy is queued
-(docs/design.md, "Stream rules"). Device buckets (``offload_fraction``) copy nothing:
-`PlacedCopier`, which the engine holds, sends their keyed calls to a `ResidentCopier`
-(docs/design.md, "Device buckets").
+Two interfaces, a docstring per method. `Streams` is the stream-wide part: the side stream
+that every copy runs on, the joins of the compute stream onto it, the readiness of a bucket's
+params for a forward (`mark_ready` / `wait_ready` / `finish_uploads`). `Transport` is the
+per-bucket part, every call keyed by the bucket's index: `wait_landed(key)` before the host
+reads what `to_host` wrote, `wait_uploaded(key)` before the host overwrites what
+`to_params` / `to_flat` read. `CudaCopier` is both for params on a GPU (one side stream,
+ordered by events), `HostCopier` both for params on the CPU (no streams, no pinning), which is
+how the engine runs on a machine without a GPU and in the test suite. The stream rules are
+stated where each copy is queued (docs/design.md, "Stream rules").
+
+`Copier` is what the engine and its exchanges hold: the streams and each tier's transport
+(tiers.py); ``copier.of(bucket)`` is the transport of the bucket's tier. A device bucket's
+(``offload_fraction``) is `ResidentTransport`, which copies nothing (docs/design.md, "Device
+buckets").
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import torch
 
 from .layout import BucketLayout
 from .threads import host_threads
+from .tiers import Tier
 
 
-class Copier(abc.ABC):
-    """Copies between the device and the host and the waits that order them, for the engine
-    and its exchanges. Every copy is keyed by its bucket's index (``key``). What each method
-    promises is what `CudaCopier` must do on its streams; `HostCopier` keeps the same
-    promises trivially (nothing is ever in flight). docs/design.md, "Stream rules"."""
+class Streams(abc.ABC):
+    """The stream-wide part of the copies: the side stream, the compute stream's waits on it,
+    and which buckets' params a forward may read. What each method promises is what
+    `CudaCopier` must do on its streams; `HostCopier` keeps the same promises trivially
+    (nothing is ever in flight). docs/design.md, "Stream rules"."""
 
     pinned = False  # host buffers that copies touch are page-locked
 
@@ -45,16 +48,11 @@ class Copier(abc.ABC):
 
     def forwards_wait(self) -> bool:
         """Whether uploads may still be in flight when a forward starts, so that each
-        module must wait for its own buckets (`wait_ready`) before it reads its params."""
+        module must wait for its own buckets (`wait_ready`) before it reads its params:
+        the copies are asynchronous."""
         return True
 
-    # ------------------------------------------------------------- buffers
-    @abc.abstractmethod
-    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
-                      zero: bool) -> torch.Tensor:
-        """A device buffer whose contents will be copied to the host buffer ``host()`` (a
-        callable: the host buffer may be made on first use), zeroed if ``zero``."""
-
+    # --------------------------------------------------------- the side stream
     @abc.abstractmethod
     def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A transient device buffer that only side-stream work uses (an all-gather's flat
@@ -64,6 +62,51 @@ class Copier(abc.ABC):
     def side(self):
         """A context: work queued inside runs after everything the compute stream queued
         before it, and on the copier's own stream (collectives' waits, check kernels)."""
+
+    @abc.abstractmethod
+    def queue_on_side(self, fn) -> None:
+        """Queue ``fn`` (copies of device tensors) behind everything on the side stream,
+        before anything queued there later; neither the host nor the compute stream waits
+        for it (the gpu checks' reads of params after a step, which must not make the
+        next forward's waits moot)."""
+
+    @abc.abstractmethod
+    def join_side(self) -> None:
+        """The compute stream waits for everything queued on the side stream so far (a
+        device-side wait, no host sync): before it reads a device buffer that side-stream
+        work wrote (a device bucket's reduce-scatter output)."""
+
+    # ------------------------------------------------------------- readiness
+    @abc.abstractmethod
+    def mark_ready(self, key: int) -> None:
+        """Bucket ``key``'s params are all queued: forwards may wait for them."""
+
+    @abc.abstractmethod
+    def wait_ready(self, keys) -> None:
+        """The compute stream waits for these buckets' params (before a module's forward);
+        others may still be uploading."""
+
+    @abc.abstractmethod
+    def finish_uploads(self) -> float:
+        """The compute stream waits for every upload queued so far; returns the host
+        seconds that took (about 0: the wait is queued on the device)."""
+
+    def device_times(self) -> dict[str, float]:
+        """Seconds the device spent copying, by direction, since the last call ({} where
+        copies are host work, timed by the engine)."""
+        return {}
+
+
+class Transport(abc.ABC):
+    """The copies of one tier's buckets, each keyed by its bucket's index (``key``), and the
+    waits for them."""
+
+    # ------------------------------------------------------------- buffers
+    @abc.abstractmethod
+    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
+                      zero: bool) -> torch.Tensor:
+        """A device buffer whose contents will be copied to the host buffer ``host()`` (a
+        callable: the host buffer may be made on first use), zeroed if ``zero``."""
 
     # ------------------------------------------------------- device to host
     @abc.abstractmethod
@@ -94,39 +137,15 @@ class Copier(abc.ABC):
 
     @abc.abstractmethod
     def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Host ``src`` -> device ``dst`` (a `side_buffer`); `wait_uploaded(key)` as above."""
+        """Host ``src`` -> device ``dst`` (a `Streams.side_buffer`); `wait_uploaded(key)`
+        as above."""
 
     @abc.abstractmethod
     def wait_uploaded(self, key: int) -> None:
         """Block until key's uploads have read their source."""
 
-    @abc.abstractmethod
-    def mark_ready(self, key: int) -> None:
-        """Bucket ``key``'s params are all queued: forwards may wait for them."""
 
-    @abc.abstractmethod
-    def wait_ready(self, keys) -> None:
-        """The compute stream waits for these buckets' params (before a module's forward);
-        others may still be uploading."""
-
-    @abc.abstractmethod
-    def finish_uploads(self) -> float:
-        """The compute stream waits for every upload queued so far; returns the host
-        seconds that took (about 0: the wait is queued on the device)."""
-
-    @abc.abstractmethod
-    def join_side(self) -> None:
-        """The compute stream waits for everything queued on the side stream so far (a
-        device-side wait, no host sync): before it reads a device buffer that side-stream
-        work wrote (a device bucket's reduce-scatter output)."""
-
-    def device_times(self) -> dict[str, float]:
-        """Seconds the device spent copying, by direction, since the last call ({} where
-        copies are host work, timed by the engine)."""
-        return {}
-
-
-class HostCopier(Copier):
+class HostCopier(Streams, Transport):
     """Params on the CPU: a "device" buffer is host memory already, so the device buffer of
     a host buffer is that buffer, and nothing is ever in flight. Host work (`after_landed`)
     runs at once, on ``threads`` threads."""
@@ -151,6 +170,9 @@ class HostCopier(Copier):
 
     def side(self):
         return contextlib.nullcontext()
+
+    def queue_on_side(self, fn) -> None:
+        fn()  # nothing is in flight: the reads see the params as the last step left them
 
     def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
         if dst.data_ptr() != src.data_ptr():
@@ -243,7 +265,7 @@ def _event(*, timing: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
-class CudaCopier(Copier):
+class CudaCopier(Streams, Transport):
     """Params on a CUDA device; every copy runs on one side stream."""
 
     def __init__(self, device: torch.device, *, pin: bool, threads: int = 1):
@@ -281,6 +303,12 @@ class CudaCopier(Copier):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
+
+    def queue_on_side(self, fn) -> None:
+        """``fn`` on the side stream behind the uploads queued so far; the uploads queued
+        later follow it on the same stream, so they cannot overwrite what it reads."""
+        with self.side():
+            fn()
 
     def _start(self) -> torch.cuda.Event:
         ev = _event(timing=True)
@@ -404,45 +432,33 @@ class CudaCopier(Copier):
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-class ResidentCopier(Copier):
-    """The copier of buckets whose state stays on the params' device (``offload_fraction``,
+class ResidentTransport(Transport):
+    """The transport of buckets whose state stays on the params' device (``offload_fraction``,
     docs/design.md, "Device buckets"): their "host" buffers are device memory, so nothing is
     copied. A device buffer is the bucket's own (``host()``); a landing is the buffer itself;
     host work (the fold into the fp32 sum) and param writes run at once on the compute
     stream, in order with the hooks and the device update. What orders streams is
-    ``inner``'s (the engine's copier): the side stream, the module waits, and `wait_landed`,
-    which makes the compute stream wait for side-stream work that wrote a device bucket (a
-    reduce-scatter's output and its check, data parallel)."""
+    ``streams``' (the engine's): `wait_landed` makes the compute stream wait for side-stream
+    work that wrote a device bucket (a reduce-scatter's output and its check, data
+    parallel)."""
 
-    def __init__(self, inner: Copier):
-        self.inner = inner
-
-    def updates_in_place(self, delayed: bool) -> bool:
-        return self.inner.updates_in_place(delayed)
-
-    def forwards_wait(self) -> bool:
-        return self.inner.forwards_wait()
+    def __init__(self, streams: Streams):
+        self.streams = streams
 
     def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
                       zero: bool) -> torch.Tensor:
         buf = host()
         return buf.zero_() if zero else buf
 
-    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.inner.side_buffer(numel, dtype)
-
-    def side(self):
-        return self.inner.side()
-
     def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
 
     def wait_landed(self, key: int) -> None:
-        self.inner.join_side()
+        self.streams.join_side()
 
     def after_landed(self, key: int, fn) -> None:
-        self.inner.join_side()  # the last landing may be a reduce-scatter's, side stream
+        self.streams.join_side()  # the last landing may be a reduce-scatter's, side stream
         fn()
 
     def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
@@ -457,102 +473,26 @@ class ResidentCopier(Copier):
     def wait_uploaded(self, key: int) -> None:
         pass
 
-    def mark_ready(self, key: int) -> None:
-        self.inner.mark_ready(key)  # a data-parallel copy-out runs on the side stream
 
-    def wait_ready(self, keys) -> None:
-        self.inner.wait_ready(keys)
+class Copier:
+    """What the engine and its exchanges hold: ``streams`` (stream-wide) and the transport
+    of each tier, ``host`` for host buckets (often the same object as ``streams``: one
+    implementation of both), `ResidentTransport` for device buckets. Nobody asks which
+    bucket is where: `of` answers from the bucket's tier."""
 
-    def finish_uploads(self) -> float:
-        return self.inner.finish_uploads()
+    def __init__(self, streams: Streams, host: Transport):
+        self.streams = streams
+        self.transports: dict[Tier, Transport] = {Tier.HOST: host,
+                                                   Tier.DEVICE: ResidentTransport(streams)}
 
-    def join_side(self) -> None:
-        self.inner.join_side()
-
-    def device_times(self) -> dict[str, float]:
-        return {}
-
-
-class PlacedCopier(Copier):
-    """The engine's copier with device buckets: each keyed call goes to the copier of its
-    bucket's placement (``inner`` for host buckets, a `ResidentCopier` for those in
-    ``resident``, set by `place` at each layout); stream-wide calls go to ``inner``. The
-    engine and its exchanges hold this one copier and never ask which bucket is where."""
-
-    def __init__(self, inner: Copier):
-        self.inner = inner
-        self.resident_copier = ResidentCopier(inner)
-        self.pinned = inner.pinned
-        self.resident: frozenset[int] = frozenset()
-
-    def place(self, resident) -> None:
-        """The bucket indices whose state is on the device (after a layout)."""
-        self.resident = frozenset(resident)
-
-    def _of(self, key: int) -> Copier:
-        return self.resident_copier if key in self.resident else self.inner
-
-    def __getattr__(self, name):  # the inner copier's own extras (a test copier's hooks)
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    def updates_in_place(self, delayed: bool) -> bool:
-        return self.inner.updates_in_place(delayed)
-
-    def forwards_wait(self) -> bool:
-        return self.inner.forwards_wait()
-
-    def device_buffer(self, key: int, numel: int, dtype: torch.dtype, host, *,
-                      zero: bool) -> torch.Tensor:
-        return self._of(key).device_buffer(key, numel, dtype, host, zero=zero)
-
-    def side_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.inner.side_buffer(numel, dtype)
-
-    def side(self):
-        return self.inner.side()
-
-    def to_host(self, key: int, dst: torch.Tensor, src: torch.Tensor, *keep) -> None:
-        self._of(key).to_host(key, dst, src, *keep)
-
-    def wait_landed(self, key: int) -> None:
-        self._of(key).wait_landed(key)
-
-    def after_landed(self, key: int, fn) -> None:
-        self._of(key).after_landed(key, fn)
-
-    def to_device(self, key: int, host: torch.Tensor) -> torch.Tensor:
-        return self._of(key).to_device(key, host)
-
-    def to_params(self, key: int, layout: BucketLayout, src: torch.Tensor) -> None:
-        self._of(key).to_params(key, layout, src)
-
-    def to_flat(self, key: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._of(key).to_flat(key, dst, src)
-
-    def wait_uploaded(self, key: int) -> None:
-        self._of(key).wait_uploaded(key)
-
-    def mark_ready(self, key: int) -> None:
-        self.inner.mark_ready(key)
-
-    def wait_ready(self, keys) -> None:
-        self.inner.wait_ready(keys)
-
-    def finish_uploads(self) -> float:
-        return self.inner.finish_uploads()
-
-    def join_side(self) -> None:
-        self.inner.join_side()
-
-    def device_times(self) -> dict[str, float]:
-        return self.inner.device_times()
+    def of(self, bucket) -> Transport:
+        """The transport of ``bucket``'s tier (`state.Bucket.tier`)."""
+        return self.transports[bucket.tier]
 
 
 def make_copier(device: torch.device, *, pin: bool, threads: int):
-    """The copier for params on ``device``; its host work runs on ``threads`` threads."""
+    """The streams and host transport (one object) for params on ``device``; its host work
+    runs on ``threads`` threads."""
     if device.type == "cuda":
         return CudaCopier(device, pin=pin, threads=threads)
     return HostCopier(threads=threads)

@@ -7,14 +7,15 @@ bucket's 16-bit grads it has just read, copied back one copy per param (CUDA, de
 or on the CPU straight into each param's storage.
 
 Per backward, each gradient goes into its bucket's flat buffer and a complete bucket to the
-exchange (exchange.py: one process, partitioned.py: data parallel, tensor_parallel.py:
-DTensor shards, fsdp2.py: FSDP2's sharded host params), which checks it and lands it on the
-host through the copier (copier.py).
+exchange of the parallel mode (modes/: resolve.py decides it; one process, data parallel,
+DTensor shards, FSDP2's sharded host params), which checks it and lands it on the host
+through the copier (copier.py).
 See docs/design.md, "Data flow" and "Accumulation window".
 
-The engine holds its parts: the copier and the exchange (their interfaces in copier.py and
-exchange.py), the bucket order (reorder.py), the module waits (hooks.py) and the delayed
-update (delayed.py); checkpoints are checkpoint.py's functions over the engine's facts.
+The engine holds its parts, which build.py makes in their one valid order: the copier and the
+exchange (their interfaces in copier.py and modes/exchange.py), the bucket order (reorder.py),
+the tier policy (fraction.py), the module waits (hooks.py); and the delayed update
+(delayed.py). Checkpoints are checkpoint.py's functions over the engine's facts.
 """
 
 from __future__ import annotations
@@ -30,27 +31,22 @@ import torch
 
 from ..config import ZeroOffloadPlugin
 from ..ops.adam_kernels import check_hyper
-from ..ops.masters import SR_SEED, master_format
-from ..ops.moments import moment_format
+from ..ops.masters import SR_SEED
 from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
+from .build import build, frozen_numel
 from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
-from .copier import PlacedCopier, make_copier
 from .delayed import DelayedUpdate
-from .fraction import make_placement
-from .hooks import ModuleWaits, queue_at_backward_end, register_grad_hooks, register_module_waits
+from .hooks import queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
-from .layout import build_layouts, collect_slots
-from .memory import check_host_memory, engine_report, human
-from .modes.fsdp2_offload import make_exchange
-from .params import ParamWatch, check_placement
+from .memory import EngineFacts, engine_report
+from .params import ParamWatch, check_unmoved
 from .progress import Progress
-from .reorder import BucketOrder, relayout
-from .state import Bucket, SlotPlace, place
-from .support import check_clip_args, local, local_grad
-from .threads import bind_local_rank, cpu_threads, host_threads
+from .reorder import relayout
+from .state import Bucket, GradSlot
+from .support import check_clip_args, local_grad
+from .threads import host_threads
 from .update import Work, plan, run
-from .updaters import DEVICE_ADAM, HOST_ADAM
 
 logger = logging.getLogger(__name__)
 
@@ -144,71 +140,27 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
-        # Before anything is allocated: the host state's pages are first touched from the
-        # cores this rank keeps.
-        self.bound_cpus = bind_local_rank() if plugin.bind_cores else None
-        self.cpu_threads = cpu_threads(plugin.cpu_threads, bound=self.bound_cpus is not None,
-                                       log=True)
-        if param_order is None and model is not None:
-            param_order = model.parameters()
-        self.moments = moment_format(plugin.state_dtype)
-        plugin.check_master()  # compute_dtype may have been set after the plugin was made
-        self.masters = master_format(plugin.master_dtype)
+        self.sync_gradients: bool | None = None  # None: follow accelerate, else True
+        # Every part, in its one valid order (build.py).
+        parts = build(self.param_groups, plugin, process_group=process_group,
+                      param_order=param_order, model=model,
+                      engine_sync=lambda: self.sync_gradients)
+        self.bound_cpus, self.cpu_threads = parts.bound_cpus, parts.cpu_threads
+        self.moments, self.masters = parts.moments, parts.masters
+        self.device, self.dtype = parts.device, parts.dtype
+        self.copier, self.mode, self.exchange = parts.copier, parts.mode, parts.exchange
+        self.order, self.tiering = parts.order, parts.tiering
+        self.module_waits = parts.module_waits
+        self._install(parts.pool, parts.buckets)
+        slots = parts.slots
         # The seed of a bf16 master's stochastic rounding (checkpoints carry it).
         self.sr_seed = SR_SEED
-        names = None if model is None else {id(p): n for n, p in model.named_parameters()}
-        slots = collect_slots(self.param_groups, order=param_order, state_dtype=self.moments,
-                              names=names)
-        self.device = slots[0].param.device
-        plugin.check_device(self.device.type)
-        self.dtype = plugin.torch_dtype
-        pin = self.device.type == "cuda" and plugin.pin_memory
-        # Keyed calls of device buckets (offload_fraction) go to a copier that copies
-        # nothing (copier.ResidentCopier); the engine and the exchange never ask which.
-        self.copier = PlacedCopier(make_copier(self.device, pin=pin, threads=self.cpu_threads))
-        self.sync_gradients: bool | None = None  # None: follow accelerate, else True
-        self.exchange = make_exchange(process_group, slots=slots, model=model,
-                                      device=self.device, copier=self.copier, dtype=self.dtype,
-                                      engine_sync=lambda: self.sync_gradients)
-        if self.exchange.params_on_host and plugin.offload_fraction_value != 1.0:
-            # FSDP2's sharded params live on the host: there is no device copy for a device
-            # bucket's state to update (fsdp2.py)
-            raise ValueError(f"ZeRO-Offload setting 'offload_fraction' "
-                             f"{plugin.offload_fraction!r} with FSDP2 parameter offload: the "
-                             "params live on the host, so all optimizer state does; allowed: 1")
-        # Buckets fill in reverse param order until the first backward shows the real
-        # order (reorder.py).
-        self.order = BucketOrder([s.index for s in slots[::-1]], dict(
-            bucket_numel=max(1, int(plugin.bucket_size_mb * 2**19)), align=self.moments.align))
-        layouts = build_layouts(slots[::-1], rank=self.exchange.rank,
-                                world=self.exchange.world, **self.order.layout_args)
-        # Which buckets keep their state on the device (fraction.py): chosen again at the
-        # re-layout, where `auto` decides from the first step's peak.
-        self.placement = make_placement(plugin, self.device)
         self.accumulates = False  # a window summed several backwards (`auto` counts it)
         self._stepped = False  # a step has ended (the first one's end decides `auto`)
-        resident = self.placement.resident(layouts)
-        needed = check_host_memory([lay for lay in layouts if lay.index not in resident],
-                                   param_dtype=self.dtype, plugin=plugin,
-                                   pinned=pin, world=self.exchange.world)  # before allocating
-        # Uploaded params: each module's forward waits for its own buckets only (they go up
-        # in forward order), so the first layers compute while the last ones still upload.
-        self.module_waits = ModuleWaits(self.copier) \
-            if model is not None and self.copier.forwards_wait() else None
-        pool = HostPool(layouts, pin=pin, device_buckets=resident, device=self.device)
-        buckets = self._place(layouts, pool, needed, resident)
-        self.exchange.placed()  # FSDP2 re-reads the params' new local tensors (fsdp2.py)
-        self._install(pool, buckets)
         # Per-param Adam step, as torch keeps it; counted on every rank for every param.
         self.param_steps = {s.index: 0 for s in slots}
-        # Frozen params beside the trained ones (a LoRA model's base, quantized or not), of
-        # the groups and of ``model``: left as they are, in any dtype (not cast, not laid out);
-        # the memory report counts their bytes by dtype (`memory.frozen_bytes`).
-        frozen = {id(p): p for g in self.param_groups for p in g["params"] if not p.requires_grad}
-        if model is not None:
-            frozen.update((id(p), p) for p in model.parameters() if not p.requires_grad)
-        self.frozen: tuple[torch.nn.Parameter, ...] = tuple(frozen.values())
-        self.n_frozen = sum(local(p).numel() for p in self.frozen)
+        self.frozen: tuple[torch.nn.Parameter, ...] = parts.frozen
+        self.n_frozen = frozen_numel(self.frozen)
         self.applied_steps = 0  # steps that updated the params (not skipped)
         self.loss_scaler = DynamicLossScaler(enabled=plugin.compute_dtype == "fp16", **{
             k: getattr(plugin, k) for k in ("init_scale", "growth_factor", "backoff_factor",
@@ -242,37 +194,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     def _install(self, pool: HostPool, buckets: list[Bucket]) -> None:
         """Buckets (new, or re-laid out) and the pool their landing buffers come from."""
         self.host_pool, self.buckets = pool, buckets
-        self.copier.place(b.layout.index for b in buckets if b.updater.on_device)
         self.exchange.attach(buckets, self._check, pool)
-        self._where = {s.param: SlotPlace(b, i, s.offset, s.offset + s.numel)
+        self._where = {s.param: GradSlot(b, i, s.offset, s.offset + s.numel)
                        for b in buckets for i, s in enumerate(b.layout.slots)}
         if self.module_waits is not None:
             self.module_waits.follow(buckets)
         self._watch = ParamWatch(buckets)
-
-    def _place(self, layouts, pool: HostPool, needed: dict[str, int],
-               resident=frozenset()) -> list[Bucket]:
-        """The host state of every bucket from the params' values (each param then becomes
-        its compute-dtype copy), logged with its size and seconds: seconds per GiB. The
-        buckets in ``resident`` keep fp32 state on the device instead."""
-        landing = sum(v for k, v in needed.items() if k.startswith("grad_"))
-        progress = Progress(logger, "allocating the host state", sum(needed.values()),
-                            detail=f"{human(landing)} of grad landing buffers"
-                                   f"{', pinned' if pool.pin else ''}")
-        buckets, own = [], 0
-        with host_threads(self.cpu_threads):
-            for lay in layouts:
-                on = lay.index in resident
-                buckets.append(Bucket(lay, place(
-                    lay, self.dtype, self.device, pool=pool,
-                    state_dtype="fp32" if on else self.moments,
-                    master_dtype="fp32" if on else self.masters,
-                    flat=self.exchange.initial_values(lay), on_device=on),
-                    updater=DEVICE_ADAM if on else HOST_ADAM))
-                own += 0 if on else sum(buckets[-1].state.nbytes().values())
-                progress.at(own + sum(pool.held().values()))  # the pool: on first use
-        progress.done(f"pinning {pool.alloc_seconds:.2f} s" if pool.pin else "")
-        return buckets
 
     # ------------------------------------------------------------- public facts
     @property
@@ -303,7 +230,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             if self.phase is Phase.FINALIZED:
                 raise RuntimeError("backward after clip_grad_norm_() and before step(): "
                                    "clip only once the gradients of this step are complete")
-            check_placement(self.buckets, self.device, self.dtype)
+            check_unmoved(self.buckets, self.device, self.dtype)
             self.phase = Phase.BACKWARD
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end
@@ -343,7 +270,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self.exchange.end_window()
         live = [b for b in self.buckets if b.window.landed]
         for b in live:
-            self.copier.wait_landed(b.layout.index)
+            self.copier.of(b).wait_landed(b.layout.index)
         self.timings["grad_wait"] = time.perf_counter() - t0
         accumulated = any(b.window.landed > 1 for b in live)
         self.accumulates = self.accumulates or accumulated
@@ -388,13 +315,13 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        check_placement(self.buckets, self.device, self.dtype)
-        self.copier.finish_uploads()  # what no forward waited for: before params are read
+        check_unmoved(self.buckets, self.device, self.dtype)
+        self.copier.streams.finish_uploads()  # what no forward waited for, before reads
         self._watch.adopt_edits(update_in_flight=self.update_in_flight)
         t_start = time.perf_counter()
         if self._t_step_end is not None:
             self.timings["fwd_bwd"] = t_start - self._t_step_end
-        self.timings.update(self.copier.device_times())
+        self.timings.update(self.copier.streams.device_times())
         overflow, norm = self._finalize()
         self.grad_norm = norm
         self._consolidated = None  # a consolidated state_dict is stale from here
@@ -412,14 +339,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._reset_window()
         first, self._stepped = not self._stepped, True
         if first:  # `auto` decides from this step's peak (also when a checkpoint set the order)
-            self.placement.first_step_done(self)
+            self.tiering.first_step_done(self)
         if not self.order.settled or first:  # on every rank alike
             # After _apply has returned: its plan held views of every landing buffer, and
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
             self.set_bucket_order(self.order.fill if self.order.settled
                                   else self.order.arrived())
         if first:
-            self.placement.relaid([b.layout for b in self.buckets])
+            self.tiering.relaid([b.layout for b in self.buckets])
         self._t_step_end = time.perf_counter()
 
     def _apply(self, norm: float, *, delayed: bool) -> None:
@@ -431,7 +358,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             if self._clip is not None or max_norm > 0 else 1.0
         work = plan(self.buckets, self.param_groups, self.param_steps,
                     self._inv_scale() * coef,
-                    in_place=self.copier.updates_in_place(delayed))
+                    in_place=self.copier.streams.updates_in_place(delayed))
         self.applied_steps += 1
         if delayed:
             self._start_delayed(work)
@@ -452,7 +379,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         self.exchange.finish_publish()
         if self.module_waits is None:
-            self.copier.finish_uploads()
+            self.copier.streams.finish_uploads()
         return time.perf_counter() - t0
 
     def _start_delayed(self, work: list[Work]) -> None:
@@ -492,7 +419,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         the device wait for every upload: with ``model=``, code that reads params outside a
         module's forward (``model.state_dict()`` waits by itself) calls it after ``step()``."""
         self._drain()
-        self.copier.finish_uploads()
+        self.copier.streams.finish_uploads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient accumulated since the last step. ``set_to_none`` has no
@@ -501,7 +428,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         self.exchange.complete()
         for b in self.buckets:
-            self.copier.wait_landed(b.layout.index)
+            self.copier.of(b).wait_landed(b.layout.index)
             for s in b.layout.slots:
                 s.param.grad = None
         self._reset_window()
@@ -538,18 +465,18 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         follow in their current order, others are ignored), moving the host state; the
         first backward's order is then no longer adopted. With N ranks a collective; the
         first rank's order wins. Between steps only (checkpoints call it when loading).
-        Also moves state between host and device when the placement now wants other
+        Also moves state between host and device when the tier policy now wants other
         device buckets (`auto`, after the first step)."""
         order = self.order.resolve(order, self.exchange)
         if order is None:
             layouts = [b.layout for b in self.buckets]
-            if self.placement.resident(layouts) == self.copier.resident:
+            if self.tiering.tiers(layouts) == tuple(b.tier for b in self.buckets):
                 return
             order = self.order.fill
         self._drain()
         for b in self.buckets:  # no copy may still use the old buffers
-            self.copier.wait_landed(b.layout.index)
-            self.copier.wait_uploaded(b.layout.index)
+            self.copier.of(b).wait_landed(b.layout.index)
+            self.copier.of(b).wait_uploaded(b.layout.index)
         # Drop every view of the old pool first: its pinned blocks go back to torch's
         # cache, where the new pool's blocks of the same sizes come from.
         pin, self.host_pool = self.host_pool.pin, None
@@ -562,7 +489,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                 self.buckets, order, exchange=self.exchange, dtype=self.dtype,
                 state_dtype=self.moments, master_dtype=self.masters, pin=pin,
                 progress=progress,
-                resident_of=self.placement.resident, device=self.device,
+                tiers_of=self.tiering.tiers, device=self.device,
                 **self.order.layout_args)
         self.order.fill = order
         self._install(pool, buckets)
@@ -607,7 +534,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         host. No collective: every rank must pass the same whole state."""
         self._check_open()
         self._drain()
-        self.copier.finish_uploads()  # no upload may land over the loaded params
+        self.copier.streams.finish_uploads()  # no upload may land over the loaded params
         self._consolidated = None
         with host_threads(self.cpu_threads):
             load_state_dict(self, state_dict)
@@ -621,7 +548,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         to the caller. No collective: every rank passes the same whole tensors."""
         self._check_open()
         self._drain()
-        self.copier.finish_uploads()  # no upload may land over the loaded params
+        self.copier.streams.finish_uploads()  # no upload may land over the loaded params
         self._consolidated = None
         with host_threads(self.cpu_threads):
             load_master_state_dict(self, model, state_dict)
@@ -644,8 +571,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._uploads_pending = []
         self.exchange.complete()
         for b in self.buckets:
-            self.copier.wait_landed(b.layout.index)
-            self.copier.wait_uploaded(b.layout.index)
+            self.copier.of(b).wait_landed(b.layout.index)
+            self.copier.of(b).wait_uploaded(b.layout.index)
         for h in self._hooks:
             h.remove()
         self.exchange.attach([], self._check, None)
@@ -656,9 +583,21 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- reporting
     def memory_report(self, *, accumulates: bool = False) -> dict:
         """Bytes this optimizer holds on this rank, by kind, in `memory.estimate()`'s
-        structure (see `memory.engine_report`); ``accumulates``: also the buffers gradient
+        structure (see `memory.engine_report`), and its ``buckets`` (how many keep their state
+        on the host, how many on the device); ``accumulates``: also the buffers gradient
         accumulation over micro-steps will add, allocated or not."""
-        return engine_report(self, accumulates=accumulates)
+        p = self.plugin
+        return engine_report(EngineFacts(
+            tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
+            self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
+            p.master_dtype, p.delayed_update, p.offload_fraction_value), accumulates=accumulates)
+
+    @property
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes this rank has handed to each of the engine's own collectives since it was
+        built, by collective (reduce_scatter, all_gather, all_reduce, gather); empty with one
+        process. What scripts/bench/bench_offload.py counts per step."""
+        return dict(self.exchange.sent)
 
 
 def _buckets(n: int) -> str:

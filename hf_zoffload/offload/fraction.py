@@ -1,10 +1,10 @@
 """``offload_fraction``: which buckets keep their optimizer state on the params' device.
 
-A placement is an object the engine holds (`make_placement`): `FixedFraction` (a number in
+A tier policy is an object the engine holds (`make_tier_policy`): `FixedFraction` (a number in
 [0, 1], the share of this rank's state kept on the host) or `AutoFraction` (``auto``: every
 bucket on the host for the first step, then as many on the device as the memory the first step
-left free holds). Either answers `resident(layouts)`, the bucket indices whose state lives on
-the device, at layout and re-layout time (docs/design.md, "Device buckets").
+left free holds). Either answers `tiers(layouts)`, each bucket's `tiers.Tier`, at layout and
+re-layout time (docs/design.md, "Device buckets").
 
 Device buckets are the last ones: buckets fill in backward order, so the last hold the first
 layers in forward order, and those params are written first by the fast device update; the
@@ -18,6 +18,7 @@ import logging
 import torch
 
 from .memory import DEVICE_STATE_BYTES, human
+from .tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +55,23 @@ def suffix(layouts, fits) -> frozenset[int]:
     return frozenset(chosen)
 
 
-def device_elements(layouts, resident) -> int:
-    return sum(lay.shard for lay in layouts if lay.index in resident)
+def device_elements(layouts, on_device) -> int:
+    return sum(lay.shard for lay in layouts if lay.index in on_device)
 
 
-class Placement:
-    """Where each bucket's state lives; the engine asks at each (re-)layout."""
+class TierPolicy:
+    """Which tier each bucket's state lives in; the engine asks at each (re-)layout."""
 
     auto = False
 
-    def resident(self, layouts) -> frozenset[int]:
+    def on_device(self, layouts) -> frozenset[int]:
         """Indices of ``layouts`` whose state is kept on the device."""
         raise NotImplementedError
+
+    def tiers(self, layouts) -> tuple[Tier, ...]:
+        """Each of ``layouts``' tier, in their order."""
+        dev = self.on_device(layouts)
+        return tuple(Tier.DEVICE if lay.index in dev else Tier.HOST for lay in layouts)
 
     def first_step_done(self, engine) -> None:
         """At the end of the first step, before the re-layout (`auto` decides here)."""
@@ -74,14 +80,14 @@ class Placement:
         """After the first step's re-layout (`auto` logs its choice here)."""
 
 
-class FixedFraction(Placement):
+class FixedFraction(TierPolicy):
     """At least ``fraction`` of this rank's state elements stay on the host; the last
     buckets whose elements fit in the rest go to the device (0: all, 1: none)."""
 
     def __init__(self, fraction: float):
         self.fraction = float(fraction)
 
-    def resident(self, layouts) -> frozenset[int]:
+    def on_device(self, layouts) -> frozenset[int]:
         total = sum(lay.shard for lay in layouts)
         room = (1.0 - self.fraction) * total
         return suffix(layouts, lambda n: n <= room + 1e-9 * total)
@@ -107,7 +113,7 @@ class DeviceMeter:
                 torch.cuda.get_device_properties(self.device).total_memory)
 
 
-class AutoFraction(Placement):
+class AutoFraction(TierPolicy):
     """``auto``: every bucket on the host until the first step has shown its peak device
     memory; then the last buckets whose device state fits in ``(total or limit) x (1 -
     SAFETY_MARGIN) - peak`` go to the device. Decided once, logged once with the figures."""
@@ -123,7 +129,7 @@ class AutoFraction(Placement):
         self._figures = ""
         meter.reset()
 
-    def resident(self, layouts) -> frozenset[int]:
+    def on_device(self, layouts) -> frozenset[int]:
         if not self.budget:
             return frozenset()
         return suffix(layouts, lambda n: n * self.per_element <= self.budget)
@@ -150,18 +156,18 @@ class AutoFraction(Placement):
     def relaid(self, layouts) -> None:
         if self.decision is not None:
             return
-        resident = self.resident(layouts)
-        n_dev = device_elements(layouts, resident)
+        dev = self.on_device(layouts)
+        n_dev = device_elements(layouts, dev)
         n_all = sum(lay.shard for lay in layouts) or 1
-        self.decision = (f"offload_fraction auto: {self._figures}; {len(resident)} of "
+        self.decision = (f"offload_fraction auto: {self._figures}; {len(dev)} of "
                          f"{len(layouts)} buckets on the device "
                          f"({human(n_dev * self.per_element)}), offload fraction "
                          f"{1 - n_dev / n_all:.3f}")
         logger.info(self.decision)
 
 
-def make_placement(plugin, device: torch.device) -> Placement:
-    """The placement ``plugin.offload_fraction`` asks for."""
+def make_tier_policy(plugin, device: torch.device) -> TierPolicy:
+    """The tier policy ``plugin.offload_fraction`` asks for."""
     value = plugin.offload_fraction_value
     if value is None:
         return AutoFraction(DeviceMeter(device), limit=plugin.device_memory_limit_bytes)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from .layout import BucketLayout
+from .tiers import Tier
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64  # bytes: every bucket's view starts on a cache line (and a 512-bit vector)
@@ -62,15 +63,17 @@ class HostPool:
     if that fails (e.g. RLIMIT_MEMLOCK in a container) the pool falls back to pageable
     memory, logs why once, and says so in ``pageable_reason``.
 
-    The buckets in ``device_buckets`` keep their state on ``device`` (``offload_fraction``):
-    their buffers are device tensors, one per bucket from the device's allocator, counted
-    apart (`device_held`)."""
+    ``tiers``: each layout's `Tier` (all `Tier.HOST` by default). A `Tier.DEVICE` bucket
+    (``offload_fraction``) keeps its state on ``device``: its buffers are device tensors, one
+    per bucket from the device's allocator, counted apart (`device_held`)."""
 
-    def __init__(self, layouts: list[BucketLayout], *, pin: bool, device_buckets=(),
+    def __init__(self, layouts: list[BucketLayout], *, pin: bool, tiers=None,
                  device: torch.device | None = None):
         self.layouts = layouts
         self.pin = pin
-        self.device_buckets = frozenset(device_buckets)
+        self.tiers = tuple(tiers) if tiers is not None else (Tier.HOST,) * len(layouts)
+        if len(self.tiers) != len(layouts):
+            raise ValueError(f"internal: {len(self.tiers)} tiers for {len(layouts)} buckets")
         self.device = device
         self._device_held: dict[tuple, int] = {}
         self.pageable_reason: str | None = None
@@ -89,7 +92,8 @@ class HostPool:
         numels = [lay.padded if full else lay.shard for lay in self.layouts]
         size = torch.tensor([], dtype=dtype).element_size()
         views: list[torch.Tensor | None] = [None] * len(numels)
-        on_host = [i for i in range(len(numels)) if i not in self.device_buckets]
+        on_host = [i for i, t in enumerate(self.tiers) if t is Tier.HOST]
+        on_device = [i for i, t in enumerate(self.tiers) if t is Tier.DEVICE]
         held = 0
         for nbytes, placed in plan_blocks([numels[i] * size for i in on_host], pinned=self.pin):
             t0 = time.perf_counter()
@@ -99,10 +103,10 @@ class HostPool:
             for j, at in placed:
                 i = on_host[j]
                 views[i] = block[at:at + numels[i] * size].view(dtype)
-        for i in sorted(self.device_buckets):
+        for i in on_device:
             views[i] = torch.empty(numels[i], dtype=dtype, device=self.device)
         self._views[kind], self._held[kind] = views, held
-        self._device_held[kind] = sum(numels[i] for i in self.device_buckets) * size
+        self._device_held[kind] = sum(numels[i] for i in on_device) * size
 
     def _block(self, nbytes: int) -> torch.Tensor:
         if self.pin and self.pageable_reason is None:

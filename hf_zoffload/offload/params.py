@@ -1,6 +1,6 @@
 """The params as the model has them: what may have changed under the engine between steps.
 
-`check_placement` refuses params moved or recast after the engine was built (``model.cuda()``,
+`check_unmoved` refuses params moved or recast after the engine was built (``model.cuda()``,
 ``model.half()``, the Trainer with ``place_model_on_device=False``), before any work.
 `ParamWatch` sees weights put into the params from outside since the engine last wrote them
 (by version counter or storage), which then become those params' master weights, so the next
@@ -19,7 +19,7 @@ def _slots(buckets: list[Bucket]):
     return (s for b in buckets for s in b.layout.slots)
 
 
-def check_placement(buckets: list[Bucket], device: torch.device, dtype: torch.dtype) -> None:
+def check_unmoved(buckets: list[Bucket], device: torch.device, dtype: torch.dtype) -> None:
     for s in _slots(buckets):
         p = s.param
         if p.device != device or p.dtype != dtype:

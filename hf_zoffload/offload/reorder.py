@@ -31,7 +31,7 @@ from .host import HostPool
 from .layout import build_layouts
 from .progress import Progress
 from .state import Bucket, empty_state, zero_gaps
-from .updaters import DEVICE_ADAM, HOST_ADAM
+from .updaters import updater_of
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +63,20 @@ class ArrivalOrder:
 
 def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel: int,
              align: int, dtype: torch.dtype, state_dtype, pin: bool,
-             progress: Progress | None = None, master_dtype="fp32", resident_of=None,
+             progress: Progress | None = None, master_dtype="fp32", tiers_of=None,
              device: torch.device | None = None):
     """New buckets filled in ``order`` (param indices), with the host state of ``buckets``
     moved into them; returns (pool, buckets). ``buckets`` are unusable after.
     No gradient may be held (end of a step) and no copy may still use their buffers.
-    ``progress`` hears the bytes of the old state moved so far. ``resident_of(layouts)``:
-    the new buckets whose state goes to ``device`` (fp32, updated there: fraction.py)."""
+    ``progress`` hears the bytes of the old state moved so far. ``tiers_of(layouts)``: the
+    new buckets' tiers (fraction.py; all on the host without it), ``device`` the params'."""
     by_index = {s.index: s for b in buckets for s in b.layout.slots}
     layouts = build_layouts([by_index[i] for i in order], bucket_numel=bucket_numel,
                             rank=exchange.rank, world=exchange.world, align=align)
     for b in buckets:  # their landing buffers hold nothing now: free them first
         b.state.grads = b.state.spare = None
-    resident = resident_of(layouts) if resident_of is not None else frozenset()
-    pool = HostPool(layouts, pin=pin, device_buckets=resident, device=device)
+    tiers = tiers_of(layouts) if tiers_of is not None else None
+    pool = HostPool(layouts, pin=pin, tiers=tiers, device=device)
     home = {s.index: (lay, s) for lay in layouts for s in lay.slots}
     states = [None] * len(layouts)
     moved = 0
@@ -88,11 +88,9 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
             lay, new = home[old.index]
             if states[lay.index] is None:  # not zeroed: the first touch of each page is
                 # the copy below (zeroing first doubled the move's time, page faults)
-                on = lay.index in resident
                 states[lay.index] = empty_state(
-                    lay, dtype, pool=pool, state_dtype="fp32" if on else state_dtype,
-                    zero=False, master_dtype="fp32" if on else master_dtype,
-                    device=device if on else None)
+                    lay, dtype, pool=pool, state_dtype=state_dtype, zero=False,
+                    master_dtype=master_dtype, tier=pool.tiers[lay.index], device=device)
                 zero_gaps(lay, states[lay.index])
             own, mine = lay.owned(new)  # host slice of the new shard, slice of the param
             if own.start == own.stop:
@@ -104,8 +102,8 @@ def relayout(buckets: list[Bucket], order: list[int], *, exchange, bucket_numel:
         b.state = None  # every param of it has moved
         if progress is not None:
             progress.at(moved)
-    return pool, [Bucket(lay, st, DEVICE_ADAM if lay.index in resident else HOST_ADAM)
-                  for lay, st in zip(layouts, states)]
+    return pool, [Bucket(lay, st, t, updater_of(t))
+                  for lay, st, t in zip(layouts, states, pool.tiers)]
 
 
 class BucketOrder:

@@ -6,9 +6,9 @@
 while the next backward fills the other. There is no separate buffer for the new params: the
 CPU-Adam writes them over the 16-bit gradients it has just read (`Bucket.out`), and the upload
 reads them from there. Buffers that device copies touch are views of the engine's `HostPool`
-(host.py), which counts them. A device bucket (``offload_fraction``) has the same state in
-fp32 on the params' device, its grad buffers device tensors from the same pool, and updates
-with `updaters.DEVICE_ADAM` (docs/design.md, "Device buckets").
+(host.py), which counts them. A device bucket (``offload_fraction``: `tiers.Tier.DEVICE`) has
+the same state in fp32 on the params' device, its grad buffers device tensors from the same
+pool, and updates with `updaters.DEVICE_ADAM` (docs/design.md, "Device buckets").
 
 `Window`: per-bucket bookkeeping of one accumulation window (every backward since the last
 ``step()`` / ``zero_grad()``): docs/design.md, "Accumulation window".
@@ -27,6 +27,7 @@ from ..ops.moments import MomentFormat, moment_format
 from .host import HostPool
 from .layout import BucketLayout
 from .support import set_local
+from .tiers import Tier
 from .updaters import HOST_ADAM, Updater
 
 
@@ -99,15 +100,18 @@ class HostState:
 
 def empty_state(layout: BucketLayout, dtype: torch.dtype, *, pool: HostPool,
                 state_dtype: str | MomentFormat = "fp32", zero: bool = True,
-                master_dtype: str | MasterFormat = "fp32",
+                master_dtype: str | MasterFormat = "fp32", tier: Tier = Tier.HOST,
                 device: torch.device | None = None) -> HostState:
-    """Zero host state for ``layout``'s shard (all-zero codes and scales are zero moments in
-    every ``state_dtype``; the padding stays zero for good), its 16-bit grads ``dtype``.
-    ``zero=False``: uninitialized, for a caller that writes every element (`zero_gaps`).
-    ``device``: master and moments there instead (a device bucket; its grad buffers are
-    then device memory too, from ``pool``)."""
+    """Zero state for ``layout``'s shard in ``tier`` (all-zero codes and scales are zero
+    moments in every ``state_dtype``; the padding stays zero for good), its 16-bit grads
+    ``dtype``. ``zero=False``: uninitialized, for a caller that writes every element
+    (`zero_gaps`). `Tier.DEVICE`: fp32 master and moments on ``device`` (the params'), whatever
+    the formats asked (`Tier.formats`); its grad buffers are device memory too, from
+    ``pool``."""
+    state_dtype, master_dtype = tier.formats(state_dtype, master_dtype)
     fmt, mf = moment_format(state_dtype), master_format(master_dtype)
-    make = functools.partial(torch.zeros if zero else torch.empty, device=device)
+    make = functools.partial(torch.zeros if zero else torch.empty,
+                             device=tier.state_device(device))
     state = HostState(master=make(layout.shard, dtype=mf.dtype), master_fmt=mf,
                       exp_avg=make(fmt.storage(layout.shard), dtype=fmt.dtype),
                       exp_avg_sq=make(fmt.storage(layout.shard), dtype=fmt.dtype),
@@ -134,17 +138,17 @@ def zero_gaps(layout: BucketLayout, state: HostState) -> None:
         at, blocks = max(at, hi), max(blocks, -(-hi // fmt.block))
 
 
-def place(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *, pool: HostPool,
-          state_dtype: str | MomentFormat = "fp32", master_dtype: str | MasterFormat = "fp32",
-          flat: torch.Tensor | None = None, on_device: bool = False) -> HostState:
-    """Host state for ``layout``'s shard from the params' current values (or ``flat``, rank
-    0's, broadcast); then each param becomes a fresh contiguous ``dtype`` tensor
-    (``param.data`` replaced, the Parameter kept): its own storage even if it had that dtype
-    or shared a storage with another param before (a DTensor param gets a new local tensor,
-    support.set_local). Moments start at zero. ``on_device``: the state is kept on ``device``
-    (a device bucket, `empty_state`)."""
+def state_from_params(layout: BucketLayout, dtype: torch.dtype, device: torch.device, *,
+                      pool: HostPool, state_dtype: str | MomentFormat = "fp32",
+                      master_dtype: str | MasterFormat = "fp32",
+                      flat: torch.Tensor | None = None, tier: Tier = Tier.HOST) -> HostState:
+    """State in ``tier`` for ``layout``'s shard from the params' current values (or
+    ``flat``, rank 0's, broadcast); then each param becomes a fresh contiguous ``dtype``
+    tensor on ``device`` (``param.data`` replaced, the Parameter kept): its own storage even
+    if it had that dtype or shared a storage with another param before (a DTensor param gets
+    a new local tensor, support.set_local). Moments start at zero."""
     state = empty_state(layout, dtype, pool=pool, state_dtype=state_dtype,
-                        master_dtype=master_dtype, device=device if on_device else None)
+                        master_dtype=master_dtype, tier=tier, device=device)
     for s in layout.slots:
         shape = s.local().shape
         src = s.local().reshape(-1) if flat is None else flat[s.offset:s.offset + s.numel]
@@ -200,11 +204,13 @@ class Window:
 
 @dataclass(eq=False)
 class Bucket:
-    """A bucket: its frozen layout, the host state it owns, and its window."""
+    """A bucket: its frozen layout, the state it owns, where that lives (its tier) and what
+    updates it, and its window."""
 
     layout: BucketLayout
     state: HostState
-    updater: Updater = HOST_ADAM  # DEVICE_ADAM for a device bucket (offload_fraction)
+    tier: Tier = Tier.HOST  # Tier.DEVICE for a device bucket (offload_fraction)
+    updater: Updater = HOST_ADAM  # `updaters.updater_of(tier)`
     window: Window = field(init=False)
 
     def __post_init__(self):
@@ -217,11 +223,11 @@ class Bucket:
         """The window's gradient of this shard: the fp32 sum, or the one landed backward."""
         return self.state.grads.acc if self.window.landed > 1 else self.window.last
 
-    def add_last_to_sum(self, copier) -> None:
+    def add_last_to_sum(self, transport) -> None:
         """Before new grads land: add the last landed ones to the window's fp32 sum (the
-        first ones are copied there), once they have landed (on CUDA on the copier's
-        host-work thread; the next copy into the same buffer and any wait for this bucket
-        wait for it)."""
+        first ones are copied there), once they have landed (``transport``: this bucket's,
+        `copier.Copier.of`; on CUDA on the copier's host-work thread; the next copy into the
+        same buffer and any wait for this bucket wait for it)."""
         w, g = self.window, self.state.grads
         if not w.landed:
             return
@@ -229,7 +235,7 @@ class Bucket:
             g.acc = torch.empty(self.layout.shard, dtype=torch.float32,
                                 device=self.state.master.device)  # a device bucket's there
         acc, last, first = g.acc, w.last, w.landed == 1
-        copier.after_landed(self.layout.index,
+        transport.after_landed(self.layout.index,
                             lambda: (acc.copy_ if first else acc.add_)(last))
 
     def out(self) -> torch.Tensor:
@@ -261,7 +267,7 @@ class Bucket:
     def fill_absent(self, out: torch.Tensor, present: list[bool]) -> None:
         """Slots that got no gradient (``present``): their current params, so that an
         upload of the whole shard leaves them as they are (rounding the master gives the
-        device value bit for bit: the last upload, or the cast at placement, was that)."""
+        device value bit for bit: the last upload, or the first cast, was that)."""
         if out.dtype == torch.float32:  # the master, or filled from it whole after the update
             return
         for s, got in zip(self.layout.slots, present):
@@ -274,7 +280,7 @@ class Bucket:
         return self.state.grads.grad16.dtype
 
 
-class SlotPlace(NamedTuple):
+class GradSlot(NamedTuple):
     """Where a param's gradient goes: its bucket, its slot's index there, and its elements
     [lo, hi) of the bucket's flat buffer (the grad hook's one lookup)."""
 

@@ -51,8 +51,12 @@ def cpu_threads(explicit: int = 0, *, environ=None, bound: bool = False,
     environ = os.environ if environ is None else environ
     n = explicit or max(1, len(affinity()) // (1 if bound else local_ranks(environ)[1]))
     if log:
-        (logger.warning if n == 1 else logger.info)(
-            "ZeRO-Offload: the host work runs on %d thread(s)%s", n, "" if n > 1 else
+        # A warning only where more cores could be free: not for cpu_threads=1 asked, nor for
+        # a rank's fair share (2 ranks on 2 cores: 1 each, and each warned).
+        narrowed = n == 1 and not explicit and \
+            (os.cpu_count() or 1) // local_ranks(environ)[1] > 1
+        (logger.warning if narrowed else logger.info)(
+            "ZeRO-Offload: the host work runs on %d thread(s)%s", n, "" if not narrowed else
             " (one core: set cpu_threads / HF_ZOFFLOAD_CPU_THREADS if more are free)")
     return n
 

@@ -82,7 +82,7 @@ def run(work: list[Work], *, copier, threads: int, publish=None,
 def _run(work: list[Work], *, copier, threads: int, publish, sr_seed) -> tuple[float, float]:
     t_adam = t_publish = 0.0
     for b, grad, runs, out, present in work:
-        copier.wait_uploaded(b.layout.index)  # its last upload has read `out`
+        copier.of(b).wait_uploaded(b.layout.index)  # its last upload has read `out`
         t0 = time.perf_counter()
         if out is not None:
             b.fill_absent(out, present)

@@ -1,8 +1,8 @@
-"""What updates a bucket's state, by where the state lives: `HOST_ADAM`, the compiled CPU-Adam
+"""What updates a bucket's state, by its tier (tiers.py): `HOST_ADAM`, the compiled CPU-Adam
 over host state (every bucket by default), and `DEVICE_ADAM`, torch's fused AdamW over state
 that ``offload_fraction`` keeps on the params' device (docs/design.md, "Device buckets").
-The bucket holds its updater (`state.Bucket.updater`), chosen at layout and re-layout time;
-update.py calls it per contiguous range and never asks which.
+The bucket holds its updater beside its tier (`state.Bucket`), chosen at layout and re-layout
+time (`updater_of`); update.py calls it per contiguous range and never asks which.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import torch
 from ..ops.adam_kernels import adam_update_unchecked
 from ..ops.device_adam import adam_update_device
 from ..ops.masters import step_key
+from .tiers import Tier
 
 
 class Updater(abc.ABC):
     """One AdamW step over one run of a bucket shard's state (`update.Run`)."""
-
-    on_device = False  # the state lives on the params' device (memory reports count it there)
 
     @abc.abstractmethod
     def __call__(self, b, grad, run, out, *, threads: int, sr_seed: int = 0) -> None:
@@ -71,8 +70,6 @@ class DeviceAdam(Updater):
     docs/design.md, "Device buckets"): one multi-tensor fused step per run, the run split
     per param in every path (on the CPU the fused kernel's result depends on the split)."""
 
-    on_device = True
-
     def __call__(self, b, grad, run, out, *, threads, sr_seed=0):
         s, g = b.state, run.hyper  # fp32 master: no stochastic rounding, sr_seed unused
         pieces = list(b.layout.param_pieces(run.lo, run.hi))
@@ -88,3 +85,8 @@ class DeviceAdam(Updater):
 
 
 HOST_ADAM, DEVICE_ADAM = HostAdam(), DeviceAdam()
+
+
+def updater_of(tier: Tier) -> Updater:
+    """The updater of a bucket whose state lives in ``tier``."""
+    return {Tier.HOST: HOST_ADAM, Tier.DEVICE: DEVICE_ADAM}[tier]

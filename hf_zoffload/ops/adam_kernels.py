@@ -17,11 +17,13 @@ AVX512-BF16 hardware write; torch's own bf16 conversion writes 0xFFFF from its A
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import numbers
 import struct
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +33,7 @@ from .moments import FORMATS, MomentFormat, moment_format, ratio_cap
 
 __all__ = [
     "adam_update",
+    "adam_update_many",
     "check_hyper",
     "adam_update_reference",
     "compiled_features",
@@ -306,11 +309,6 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         return
     fmt = FORMATS[state_dtype or _BY_DTYPE[exp_avg.dtype]]
     qblock = fmt.block if qblock is None else qblock
-    # Scalars exactly as torch derives them in double before its kernels round them to fp32.
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    weight = _f32(1.0 - beta1)  # torch.lerp picks its formula on the fp32 weight
-    small = abs(weight) < 0.5
     ext.adam_step(
         master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
         0 if out16 is None else out16.data_ptr(), n,
@@ -318,9 +316,8 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
          torch.bfloat16: ext.BFLOAT16}[grad.dtype],
         ext.NO_OUTPUT if out16 is None else
         {torch.float16: ext.FLOAT16, torch.bfloat16: ext.BFLOAT16}[out16.dtype],
-        bool(not adamw_mode and wd != 0.0), small,
-        grad_scale, 1.0 - lr * wd if adamw_mode else 1.0, wd,
-        weight if small else weight - 1.0, beta2, 1.0 - beta2, 1.0 / bc2**0.5, eps, -(lr / bc1),
+        *_kernel_scalars(step, lr, beta1, beta2, eps, wd, grad_scale, adamw_mode,
+                         bias_correction),
         torch.get_num_threads() if num_threads is None else num_threads,
         ext.VARIANTS[variant], _STATE_KIND[fmt.name],
         0 if scales is None else scales[0].data_ptr(),
@@ -328,6 +325,165 @@ def adam_update_unchecked(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
         1.0 / ratio_cap(beta1, beta2) if scales is not None else 0.0, beta1, beta2**0.5,
         master.data_ptr() if sr is not None else 0, *(sr or (0, 0)),
     )
+
+
+def _kernel_scalars(step, lr, beta1, beta2, eps, wd, gs, adamw_mode, bias_correction):
+    """adam_step's scalars, exactly as torch derives them in double before its kernels round
+    them to fp32: (l2_on, lerp_small, grad_scale, decay, l2, lerp_coef, beta2, 1 - beta2,
+    1 / sqrt(bc2), eps, -lr / bc1)."""
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    weight = _f32(1.0 - beta1)  # torch.lerp picks its formula on the fp32 weight
+    small = abs(weight) < 0.5
+    return (bool(not adamw_mode and wd != 0.0), small, gs, 1.0 - lr * wd if adamw_mode else 1.0,
+            wd, weight if small else weight - 1.0, beta2, 1.0 - beta2, 1.0 / bc2**0.5, eps,
+            -(lr / bc1))
+
+
+_HYPER_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "bias_correction")
+_GRAD_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # adam_kernel.h's kinds
+_WRITTEN = ("param", "exp_avg", "exp_avg_sq")
+
+
+class ManyBuffers(NamedTuple):
+    """The buffers of one `adam_update_many` call, their addresses read once: ``ptrs`` holds
+    param, exp_avg, exp_avg_sq and grad of tensor i at 4 i .. 4 i + 3; ``ns`` the element
+    counts, ``grad_kinds`` the kernel's grad kinds, ``grad_sizes`` bytes per grad element."""
+
+    ptrs: list
+    ns: list
+    grad_kinds: list
+    grad_sizes: list
+
+
+def many_buffers(params, grads, exp_avgs, exp_avg_sqs) -> ManyBuffers:
+    ptrs, ns, kinds, sizes = [], [], [], []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        ptrs += (p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr())
+        ns.append(p.numel())
+        kinds.append(_GRAD_KIND[g.dtype])
+        sizes.append(g.element_size())
+    return ManyBuffers(ptrs, ns, kinds, sizes)
+
+
+def check_disjoint(bufs: ManyBuffers, where) -> None:
+    """ValueError unless no param, exp_avg or exp_avg_sq of ``bufs`` shares a byte with
+    another one or with a grad (grads may share memory with each other: one flat grad
+    buffer's views).  where(i) names tensor i in the message."""
+    ptrs, ns = bufs.ptrs, bufs.ns
+    spans = sorted((ptrs[j], ptrs[j] + 4 * ns[j // 4], j) for j in range(len(ptrs))
+                   if j % 4 != 3 and ns[j // 4])
+
+    def name(j):
+        return f"{_WRITTEN[j % 4]} of {where(j // 4)}"
+
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{name(a)} and {name(b)} overlap in memory; every written "
+                             "buffer must be distinct")
+    starts = [sp[0] for sp in spans]
+    for i, n in enumerate(ns):
+        if not n:
+            continue
+        lo = ptrs[4 * i + 3]
+        # the written spans are disjoint and sorted: of those starting before the grad's end,
+        # only the last can reach past its start
+        j = bisect.bisect_left(starts, lo + n * bufs.grad_sizes[i]) - 1
+        if j >= 0 and spans[j][1] > lo:
+            raise ValueError(f"grad of {where(i)} and {name(spans[j][2])} overlap in memory; "
+                             "a grad must not share memory with a written buffer")
+
+
+def _check_many_tensor(name, t, dtypes, numel=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a dense contiguous CPU tensor, got layout {t.layout}, "
+                         f"device {t.device}, stride {t.stride()}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {t.dtype}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, its param {numel}")
+
+
+def check_many_hyper(h: dict, where: str) -> None:
+    """One `adam_update_many` hypers dict: exactly its keys, each value as adam_update
+    takes it; else TypeError / ValueError naming the value and ``where``."""
+    if not isinstance(h, dict) or set(h) != set(_HYPER_KEYS):
+        raise ValueError(f"hypers of {where} must be a dict of exactly "
+                         f"{', '.join(_HYPER_KEYS)}, got {h!r}")
+    check_hyper(h["lr"], (h["beta1"], h["beta2"]), h["eps"], h["weight_decay"], where=where,
+                beta_names=("beta1", "beta2"))
+    for flag in ("adamw_mode", "bias_correction"):
+        if not isinstance(h[flag], bool):
+            raise TypeError(f"{flag} of {where} must be a bool, got {h[flag]!r}")
+
+
+def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, steps, hypers, names=None,
+                     num_threads: int | None = None) -> None:
+    """Many fp32 `adam_update` calls (fp32 moments, no 16-bit output) in one compiled pass.
+
+    Tensor i (any shape, contiguous, on the CPU): params[i] fp32, grads[i] fp32/fp16/bf16,
+    exp_avgs[i] and exp_avg_sqs[i] fp32, all of params[i]'s numel, updated in place at Adam
+    step steps[i] with hypers[i], a dict of adam_update's lr, beta1, beta2, eps, weight_decay,
+    adamw_mode and bias_correction (one dict object may serve many tensors: it is checked
+    once).  All the tensors run in one parallel region, the threads splitting their elements
+    laid end to end; the result is bitwise that of one adam_update per tensor, for any
+    num_threads.  No param or moment may share memory with another buffer (grads may share
+    memory with each other).  names[i], if given, names tensor i in errors."""
+    k = len(params)
+    seqs = (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+            ("steps", steps), ("hypers", hypers)) + ((("names", names),) if names else ())
+    for what, seq in seqs:
+        if len(seq) != k:
+            raise ValueError(f"{what} has {len(seq)} entries, params {k}")
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
+        raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+
+    def where(i):
+        return names[i] if names else f"tensor {i}"
+
+    checked = set()
+    for i in range(k):
+        if id(hypers[i]) not in checked:
+            check_many_hyper(hypers[i], where(i))
+            checked.add(id(hypers[i]))
+        s = steps[i]
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
+            raise ValueError(f"step of {where(i)} must be an int >= 1 (Adam counts from 1), "
+                             f"got {s!r}")
+        _check_many_tensor(f"param of {where(i)}", params[i], (torch.float32,))
+        n = params[i].numel()
+        _check_many_tensor(f"grad of {where(i)}", grads[i], _GRAD_DTYPES, n)
+        _check_many_tensor(f"exp_avg of {where(i)}", exp_avgs[i], (torch.float32,), n)
+        _check_many_tensor(f"exp_avg_sq of {where(i)}", exp_avg_sqs[i], (torch.float32,), n)
+    bufs = many_buffers(params, grads, exp_avgs, exp_avg_sqs)
+    check_disjoint(bufs, where)
+    _checked_variant()
+    adam_update_many_unchecked(bufs, steps=steps, hypers=hypers, num_threads=num_threads)
+
+
+def adam_update_many_unchecked(bufs: ManyBuffers, *, steps, hypers, num_threads=None,
+                               variant="auto") -> None:
+    """`adam_update_many` over `many_buffers`, without its checks (CPUAdam checks its params
+    itself). Bad arguments here are undefined behaviour."""
+    ext = _ext()
+    which, scalars, index = [], [], {}
+    for s, h in zip(steps, hypers):
+        key = (id(h), s)
+        w = index.get(key)
+        if w is None:
+            w = index[key] = len(scalars)
+            scalars.append(_kernel_scalars(s, h["lr"], h["beta1"], h["beta2"], h["eps"],
+                                           h["weight_decay"], 1.0, h["adamw_mode"],
+                                           h["bias_correction"]))
+        which.append(w)
+    ext.adam_step_many(bufs.ptrs, bufs.ns, bufs.grad_kinds, which, scalars,
+                       torch.get_num_threads() if num_threads is None else num_threads,
+                       ext.VARIANTS[variant])
 
 
 def adam_update_reference(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float,

@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from hf_zoffload.ops.adam_kernels import adam_update, check_hyper
+from hf_zoffload.ops.adam_kernels import (
+    adam_update_many_unchecked,
+    check_disjoint,
+    check_hyper,
+    many_buffers,
+)
 
 __all__ = ["CPUAdam"]
 
@@ -88,6 +93,22 @@ def _check_state(state: dict, p, where: str) -> None:
             )
 
 
+def _fast_ok(p, g, state) -> bool:
+    """True when _check_param, _check_grad and _check_state would pass (the common case, in
+    one expression: the named checks cost ~10 us a param, most of a small param's step;
+    is_cpu, not device.type, which builds a torch.device per call)."""
+    ok = (p.is_cpu and g.is_cpu and p.dtype is torch.float32 and g.dtype in _GRAD_DTYPES
+          and p.layout is torch.strided and g.layout is torch.strided and g.shape == p.shape
+          and p.is_contiguous() and g.is_contiguous())
+    if not ok or not state:
+        return ok
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    return ("step" in state and type(m) is torch.Tensor and type(v) is torch.Tensor
+            and m.is_cpu and v.is_cpu and m.dtype is torch.float32 and v.dtype is torch.float32
+            and m.shape == p.shape and v.shape == p.shape and m.is_contiguous()
+            and v.is_contiguous())
+
+
 class CPUAdam(Optimizer):
     """Adam/AdamW for CPU fp32 parameters; a drop-in for ``torch.optim.AdamW``.
 
@@ -117,6 +138,7 @@ class CPUAdam(Optimizer):
             "bias_correction": bias_correction,
         }
         _hyper(defaults, 0)  # fail on bad defaults even before looking at params
+        self._disjoint_checked = None  # check_disjoint's last passing buffers
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -138,6 +160,7 @@ class CPUAdam(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._disjoint_checked = None
         for group in self.param_groups:
             # A torch.optim.Adam(W) state_dict brings its own keys and lacks ours.
             group.setdefault("amsgrad", False)
@@ -156,29 +179,59 @@ class CPUAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Validate everything first: a bad parameter anywhere leaves every state untouched.
-        work = []
+        params, grads, ms, vs, steps, hypers, at = [], [], [], [], [], [], []
+        fresh = []  # params whose state this step creates
         for gi, group in enumerate(self.param_groups):
             hyper = _hyper(group, gi)
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                where = _where(group, gi, pi)
-                _check_param(p, where)
-                _check_grad(p, where)
-                _check_state(self.state.get(p), p, where)
-                work.append((p, hyper))
-        for p, hyper in work:
+                state = self.state.get(p)
+                if not _fast_ok(p, g, state):  # the named checks say what is wrong
+                    where = _where(group, gi, pi)
+                    _check_param(p, where)
+                    _check_grad(p, where)
+                    _check_state(state, p, where)
+                params.append(p)
+                grads.append(g)
+                hypers.append(hyper)
+                at.append((gi, pi))
+                if state:
+                    ms.append(state["exp_avg"])
+                    vs.append(state["exp_avg_sq"])
+                    steps.append(state["step"])
+                else:
+                    fresh.append(len(ms))
+                    ms.append(None)
+                    vs.append(None)
+                    steps.append(None)
+        if not params:
+            return loss
+        for i in fresh:
+            p = params[i]
             state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            adam_update(
-                p.view(-1), p.grad.view(-1), m.view(-1), v.view(-1),
-                step=int(state["step"].item()), **hyper,
-            )
-            # The kernel writes through raw pointers; tell autograd the tensors changed.
-            torch.autograd.graph.increment_version((p, m, v))
+            state["step"] = steps[i] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = ms[i] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = vs[i] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+        bufs = many_buffers(params, grads, ms, vs)
+        # The same addresses and sizes as the last step's checked ones (the usual case: the
+        # same tensors, grads reallocated in place by malloc) need no new sort of 4 per param.
+        if (bufs.ptrs, bufs.ns, bufs.grad_sizes) != self._disjoint_checked:
+            try:
+                check_disjoint(bufs, lambda i: _where(self.param_groups[at[i][0]], *at[i]))
+            except ValueError:
+                for i in fresh:  # leave the optimizer as it was
+                    del self.state[params[i]]
+                raise
+            self._disjoint_checked = (bufs.ptrs, bufs.ns, bufs.grad_sizes)
+        # One parallel region over every param (adam_update_many), not one call per param: a
+        # Llama's hundreds of tensors, many of a few thousand elements, each paid a fork/join
+        # and ~100 us of Python.  The steps as torch.optim keeps them, float32 tensors.
+        torch._foreach_add_(steps, 1.0)
+        counts = [int(c) for c in torch.stack(steps).tolist()]
+        adam_update_many_unchecked(bufs, steps=counts, hypers=hypers)
+        # The kernel writes through raw pointers; tell autograd the tensors changed.
+        torch.autograd.graph.increment_version(params + ms + vs)
         return loss

@@ -54,7 +54,7 @@ from torch.distributed.fsdp import (  # noqa: E402
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin  # noqa: E402
 from hf_zoffload.commands.env import cpu_name  # noqa: E402
-from hf_zoffload.ops.moments import FORMATS  # noqa: E402
+from hf_zoffload.config import STATE_DTYPES  # noqa: E402
 from hf_zoffload.units import parse_quantity  # noqa: E402
 
 DEFAULT, FOREACH, FUSED = ("torch AdamW(default) fp32", "torch AdamW(foreach) fp32",
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     state_dtypes = [s for s in args.state_dtypes.split(",") if s]
-    if any(s not in FORMATS for s in state_dtypes):
-        ap.error(f"--state_dtypes {args.state_dtypes!r}: allowed {', '.join(FORMATS)}")
+    if any(s not in STATE_DTYPES for s in state_dtypes):
+        ap.error(f"--state_dtypes {args.state_dtypes!r}: allowed {', '.join(STATE_DTYPES)}")
     if min(args.rounds, args.threads, args.dim, n_params) < 1:
         ap.error("--params, --dim, --rounds and --threads must be positive")
     own_group = not dist.is_initialized()

@@ -13,7 +13,10 @@ us), and in cache the memory drift that _interleave's medians guard against does
 kernel, so the fastest call, the least disturbed one, is the figure (disturbances only add
 time); with --elements past the caches (10M) the figure is a single thread's memory-bound time.
 It prints no ratio between modes (the docs derive them from the figures).
+With --instructions it counts instead of timing: instructions per param inside the kernel, from
+valgrind's callgrind (the same under any load; blind to memory stalls).
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
+       [--instructions]
 """
 
 from __future__ import annotations
@@ -98,27 +101,63 @@ int main(int argc, char **argv) {
 """
 
 
-def run(elements: int, calls: int, rounds: int,
-        modes: list[tuple[str, str, str]] = MODES) -> dict[str, float]:
-    """{mode name: ns/param}; raises RuntimeError when the driver does not build or run."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
+def _spec(modes) -> list[str]:
     spec = []
     for _, master, state in modes:
         spec += [STATES[state], QBLOCKS.get(state, 256), STATES[master]]
+    return [str(x) for x in spec]
+
+
+def _build(tmp: str) -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
+    src, exe = Path(tmp) / "loop.c", Path(tmp) / "loop"
+    src.write_text(DRIVER)
+    build = subprocess.run([cc, *FLAGS, "-I", str(ROOT / "cython_ext"), str(src), "-o",
+                            str(exe), "-lm"], capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(f"the driver did not build:\n{build.stderr}")
+    return exe
+
+
+def run(elements: int, calls: int, rounds: int,
+        modes: list[tuple[str, str, str]] = MODES) -> dict[str, float]:
+    """{mode name: ns/param}; raises RuntimeError when the driver does not build or run."""
     with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "loop.c", Path(tmp) / "loop"
-        src.write_text(DRIVER)
-        build = subprocess.run([cc, *FLAGS, "-I", str(ROOT / "cython_ext"), str(src), "-o",
-                                str(exe), "-lm"], capture_output=True, text=True)
-        if build.returncode:
-            raise RuntimeError(f"the driver did not build:\n{build.stderr}")
+        exe = _build(tmp)
         out = subprocess.run([str(exe), str(elements), str(calls), str(rounds),
-                              *map(str, spec)], capture_output=True, text=True,
+                              *_spec(modes)], capture_output=True, text=True,
                              check=True).stdout
     by_index = {int(k): float(ns) for k, ns in (line.split() for line in out.splitlines())}
     return {name: by_index[i] for i, (name, _, _) in enumerate(modes)}
+
+
+def instructions(elements: int, calls: int,
+                 modes: list[tuple[str, str, str]] = MODES) -> dict[str, float]:
+    """{mode name: instructions per param}: the driver's kernel calls counted by valgrind's
+    callgrind (only inside the kernel's entry points), each mode in a run of its own.  Counts
+    do not depend on the machine's load, as times do; they say nothing of memory stalls."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise RuntimeError("--instructions needs valgrind on PATH")
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = _build(tmp)
+        for mode in modes:
+            out = Path(tmp) / "callgrind.out"
+            # the kernel's entry points, whatever suffix gcc's clones give them
+            subprocess.run([valgrind, "--tool=callgrind", "--toggle-collect=hz_adam_range*",
+                            "--toggle-collect=hz_m16_range*", f"--callgrind-out-file={out}",
+                            str(exe), str(elements), str(calls), "1", *_spec([mode])],
+                           capture_output=True, text=True, check=True)
+            total = next(int(line.split()[1]) for line in out.read_text().splitlines()
+                         if line.startswith("totals:"))
+            if total == 0:
+                raise RuntimeError("callgrind counted nothing: the kernel's entry points were "
+                                   "renamed (see --toggle-collect above)")
+            got[mode[0]] = total / (elements * calls)
+    return got
 
 
 def main(argv=None) -> int:
@@ -126,9 +165,19 @@ def main(argv=None) -> int:
     ap.add_argument("--elements", type=int, default=65536, help="buffer size, in params")
     ap.add_argument("--calls", type=int, default=3000, help="timed calls per mode per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds over the modes")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions per param with valgrind's callgrind instead of "
+                         "timing (--calls calls a mode, --rounds unused)")
     args = ap.parse_args(argv)
     if min(args.elements, args.calls, args.rounds) < 1:
         ap.error("--elements, --calls and --rounds must be positive")
+    if args.instructions:
+        counts = instructions(args.elements, args.calls)
+        print(f"| mode | instructions/param ({args.elements} params, 1 thread, callgrind, "
+              f"{args.calls} calls) |\n|---|---:|")
+        for name, value in counts.items():
+            print(f"| {name} | {value:.2f} |")
+        return 0
     ns = run(args.elements, args.calls, args.rounds)
     print(f"| mode | ns/param ({args.elements} params, 1 thread, fastest of "
           f"{args.rounds} x {args.calls} calls) |\n|---|---:|")

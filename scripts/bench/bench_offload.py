@@ -1,12 +1,11 @@
 """Benchmark the offload engine.
 
-CPU: ``ZeroOffloadOptimizer.step()`` over a GPT-2-124M-shaped set of bf16 params (--layers,
+One process: ``ZeroOffloadOptimizer.step()`` over a GPT-2-124M-shaped set of bf16 params (--layers,
 --hidden) against the bare CPU-Adam kernel over the same bytes, in one run (the engine's
 overhead): --repeats rounds, each timing one step and one kernel call in alternating order
 (scripts/bench/_interleave.py); ms is each one's median, "vs kernel" the median per-round ratio.
-CUDA: tokens/s and peak device memory of a GPT-2 training step for ours (with and without the
-delayed update), plain AMP AdamW, and torchao's CPUOffloadOptimizer / DeepSpeed ZeRO-2 with
-optimizer offload when they are installed, one path after another (see bench_cuda).
+(On a GPU, the ways of training against each other: scripts/bench/gpu_practicality.py and
+gpu_peers.py, the practicality and peers stages of scripts/gpu_check.sh.)
 ``--world_size N`` (CPU, gloo, N processes on this machine): the bytes each rank hands to the
 collectives and writes to its sockets per step, against the theory (N-1)/N x 4 B/param.
 ``--world_size N --tp_size T``: a Llama-shaped model sharded with its transformers
@@ -22,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # imported by the tests rather than run as a script
@@ -82,11 +83,12 @@ def bench_cpu(args) -> list[str]:
     timed = il.interleave([("kernel", kernel), ("engine", il.SelfTimed(engine_step))],
                           args.repeats)
     kernel_s, step_s = timed.median("kernel"), timed.median("engine")
+    buckets = sum(opt.memory_report()["buckets"].values())
     gb = n * 28 / 1e9  # bytes the one pass moves per param: read 2+4+4+4, write 4+4+4+2
     return [
         f"| bare CPU-Adam kernel, bf16 grad in / bf16 param out | {n/1e6:.1f}M | "
         f"{kernel_s*1e3:.1f} | {gb/kernel_s:.1f} | 1.00 |",
-        f"| `ZeroOffloadOptimizer.step()` ({len(opt.buckets)} buckets of "
+        f"| `ZeroOffloadOptimizer.step()` ({buckets} buckets of "
         f"{args.bucket_size_mb:g} MiB) | {n/1e6:.1f}M | {step_s*1e3:.1f} | {gb/step_s:.1f} | "
         f"{timed.ratio('engine', 'kernel'):.2f} |",
     ]
@@ -101,8 +103,6 @@ def _wchar() -> int:
 
 def _join(rank: int, world: int, port: int, args) -> int:
     """Join the benchmark's gloo group as ``rank``; returns this rank's CPU-Adam threads."""
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     threads = max(1, args.threads // world)  # the ranks share this machine's cores
     torch.set_num_threads(threads)
@@ -112,8 +112,6 @@ def _join(rank: int, world: int, port: int, args) -> int:
 
 
 def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
-    import torch.distributed as dist
-
     threads = _join(rank, world, port, args)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt2_shapes(args.layers)]
     n = sum(p.numel() for p in params)
@@ -125,17 +123,25 @@ def _dp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
         sum((p * c).sum() for p, c in zip(params, coefs)).backward()
         opt.step()
 
-    step()  # warm-up: first touch of every buffer
+    report = opt.memory_report()
+    torch.save({"n": n, **_counted(opt, step, args.repeats),
+                "buckets": sum(report["buckets"].values())}, out_path)
+    dist.destroy_process_group()
+
+
+def _counted(opt, step, repeats: int) -> dict:
+    """Per step of ``repeats`` after a warm-up one (the first touch of every buffer, and the
+    re-layout): the bytes handed to each of the engine's collectives, those written to the
+    sockets, the ms, and the host model states this rank holds."""
+    step()
     dist.barrier()
-    sent0, w0, t0 = dict(opt.exchange.sent), _wchar(), time.perf_counter()
-    for _ in range(args.repeats):
+    sent0, w0, t0 = opt.collective_bytes, _wchar(), time.perf_counter()
+    for _ in range(repeats):
         step()
     dt, wrote = time.perf_counter() - t0, _wchar() - w0
-    per_step = {k: (v - sent0[k]) / args.repeats for k, v in opt.exchange.sent.items()}
-    torch.save({"n": n, "sent": per_step, "wchar": wrote / args.repeats,
-                "ms": dt / args.repeats * 1e3, "host": opt.memory_report()["host_total"],
-                "buckets": len(opt.buckets)}, out_path)
-    dist.destroy_process_group()
+    sent = {k: (v - sent0.get(k, 0)) / repeats for k, v in opt.collective_bytes.items()}
+    return {"sent": sent, "wchar": wrote / repeats, "ms": dt / repeats * 1e3,
+            "host": opt.memory_report()["host_total"]}
 
 
 def bench_world(args) -> list[str]:
@@ -166,10 +172,6 @@ def bench_world(args) -> list[str]:
 def _spawn(target, args) -> list[dict]:
     """``target(rank, world, port, args, out_path)`` on ``args.world_size`` processes; each
     rank's saved dict, in rank order."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     n_ranks = args.world_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,7 +191,8 @@ def _spawn(target, args) -> list[dict]:
 
 
 def _tp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
-    import torch.distributed as dist
+    # here, not at the top: transformers (the model and its plan) costs the other modes a few
+    # seconds of import they do not use
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -225,17 +228,8 @@ def _tp_rank(rank: int, world: int, port: int, args, out_path: str) -> None:
             for p, c in zip(params, coefs)).backward()
         opt.step()
 
-    step()  # warm-up: first touch of every buffer, and the buckets re-laid out
-    dist.barrier()
-    sent0, w0, t0 = dict(opt.exchange.sent), _wchar(), time.perf_counter()
-    for _ in range(args.repeats):
-        step()
-    dt, wrote = time.perf_counter() - t0, _wchar() - w0
-    per_step = {k: (v - sent0.get(k, 0)) / args.repeats for k, v in opt.exchange.sent.items()}
     torch.save({"whole": whole, "local": n_local, "replicated": replicated,
-                "tensors": len(params), "sent": per_step, "wchar": wrote / args.repeats,
-                "ms": dt / args.repeats * 1e3, "host": opt.memory_report()["host_total"]},
-               out_path)
+                "tensors": len(params), **_counted(opt, step, args.repeats)}, out_path)
     dist.destroy_process_group()
 
 
@@ -275,112 +269,13 @@ def bench_tp(args) -> list[str]:
     return rows
 
 
-def bench_cuda(args) -> list[str]:
-    """One path after another, not in rounds (scripts/bench/_interleave.py): a path's peak device
-    memory is its own only while no other path's model and optimizer are resident, DeepSpeed's
-    initialize and torchao's bf16 cast take the model over, and the table reports each path's
-    tokens/s and peak memory, no ratio between paths."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64,
-                     n_positions=args.seq)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
-    rows = []
-
-    def run(name, make):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(cfg).cuda()
-        try:
-            step = make(model)
-        except ImportError as exc:
-            rows.append(f"| {name} | not installed ({exc.name}) | | |")
-            return
-        finish = getattr(step, "finish", lambda: None)  # lands a delayed update
-        for _ in range(3):
-            step()
-        finish()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(args.repeats):
-            step()
-        finish()  # the last step's update belongs to the timed steps
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / args.repeats
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        rows.append(f"| {name} | {args.batch * args.seq / dt:,.0f} | {dt*1e3:.0f} | {peak:.2f} |")
-        del model, step, finish
-        gc.collect()  # the next row's peak must not count this one's engine
-        torch.cuda.empty_cache()
-
-    def ours(delayed):
-        def make(model):
-            opt = ZeroOffloadOptimizer(model.parameters(), lr=1e-4, plugin=ZeroOffloadPlugin(
-                compute_dtype="bf16", delayed_update=delayed, delayed_update_warmup_steps=0))
-
-            def step():
-                opt.backward(model(input_ids=ids, labels=ids).loss)
-                opt.step()
-            step.finish = opt.flush
-            return step
-        return make
-
-    def amp_adamw(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    def torchao(model):
-        from torchao.optim import CPUOffloadOptimizer
-
-        model.to(torch.bfloat16)
-        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
-
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    def deepspeed_zero2(model):
-        import deepspeed
-
-        conf = {"train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": True},
-                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
-                                                                        "pin_memory": True}},
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=conf)
-
-        def step():
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
-        return step
-
-    run("hf_zoffload", ours(False))
-    run("hf_zoffload, delayed update", ours(True))
-    run("torch AMP AdamW (fused), all on GPU", amp_adamw)
-    run("torchao CPUOffloadOptimizer", torchao)
-    run("DeepSpeed ZeRO-2 + offload_optimizer cpu", deepspeed_zero2)
-    return rows
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket_size_mb", type=float, default=32.0)
-    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--world_size", type=int, default=1,
                     help="N > 1: N gloo processes on the CPU; reports bytes sent per step")
     ap.add_argument("--tp_size", type=int, default=1,
@@ -406,19 +301,9 @@ def main(argv=None):
         print("| per rank, per step | MiB | B/param | theory B/param |\n|---|---|---|---|")
         print("\n".join(bench_world(args)))
         return
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    print(f"Machine: {cpu_name()}, {args.threads} threads"
-          + (f", {torch.cuda.get_device_name()}" if cuda else "")
-          + f"; torch {torch.__version__}\n")
-    if cuda:
-        print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq}\n")
-        print("| path | tokens/s | ms/step | peak GiB |\n|---|---|---|---|")
-        rows = bench_cuda(args)
-    else:
-        print("| what | params | ms | GB/s (28 B/param) | vs kernel |\n|---|---|---|---|---|")
-        rows = bench_cpu(args)
-    print("\n".join(rows))
-
+    print(f"Machine: {cpu_name()}, {args.threads} threads; torch {torch.__version__}\n")
+    print("| what | params | ms | GB/s (28 B/param) | vs kernel |\n|---|---|---|---|---|")
+    print("\n".join(bench_cpu(args)))
 
 if __name__ == "__main__":
     main()

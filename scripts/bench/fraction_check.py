@@ -71,9 +71,9 @@ def engine_run(fraction: str, batches, *, bucket_mb: float, rows=slice(None)):
     seconds = time.perf_counter() - t0
     rep = opt.memory_report()
     host = sum(rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq"))
-    on_dev = sum(1 for b in opt.buckets if b.updater.on_device)
+    on_dev, buckets = rep["buckets"]["device"], sum(rep["buckets"].values())
     return params, {"host": host, "device": rep["device"].get("optimizer_state", 0),
-                    "seconds": seconds, "buckets": f"{on_dev}/{len(opt.buckets)}"}
+                    "seconds": seconds, "buckets": f"{on_dev}/{buckets}"}
 
 
 def _rank(rank: int, world: int, store: str, args, out: str) -> None:

@@ -13,7 +13,7 @@ The update is the int4 kernel's: m' = b1 m + (1-b1) g, v' = b2 v + (1-b2) g^2 fr
 moments"), then both stored quantized. Every param starts on a block, as in the engine.
 `quantize` of the current code (pow2 / e3m1 of 14 levels, block 128) is bitwise
 `moments.decode_reference4(encode_reference4(...))`, of the 8-bit code that of the 8-bit
-reference (tests/test_sweep_q4_code.py).
+reference (tests/scripts/test_sweep_q4_code.py).
 
 Three measurements, each printed as a markdown table:
 - shadow: a small Llama (2 layers, width 128, the quickstart's corpus and tokenizer, 8 x 64

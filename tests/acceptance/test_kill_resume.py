@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel, PreTrainedModel
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -276,6 +276,13 @@ BREAKS = {
     # a crash garbling a header: the sizes match, the content does not
     "weights header garbled": (lambda c: _garble(c / "model.safetensors", 8, b"\xff" * 16),
                                r"model.safetensors is corrupt \(the header is not JSON: .+\)"),
+    # 1,000 random bytes in the middle of the optimizer state (issue 35): the sizes and the
+    # archive's structure are whole, its records' CRC-32 is not
+    "optimizer data garbled": (
+        lambda c: _garble(c / "optimizer.pt", (c / "optimizer.pt").stat().st_size // 2,
+                          random.Random(35).randbytes(1000)),
+        r"optimizer.pt is corrupt \(record \S+/data/\d+: its bytes' CRC-32 is [0-9a-f]{8}, "
+        r"[0-9a-f]{8} was written \(bytes garbled inside the data\)\)"),
 }
 
 
@@ -306,6 +313,75 @@ def _refused_then_resumed_from_the_one_named(full, out, why, caplog) -> None:
                         rf"newest complete checkpoint; skipped \S*checkpoint-4 \({why}\)",
                         warned[0]), warned[0]
     assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def _nan_master(ckpt: Path) -> None:
+    """A master weight of ``ckpt``'s optimizer state made NaN, the file and its marker
+    rewritten whole: what a run that had diverged saves."""
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    state["state"][0]["master"].view(-1)[3] = float("nan")
+    torch.save(state, ckpt / "optimizer.pt")
+    write_marker(str(ckpt), model_only=False)
+    assert why_incomplete(str(ckpt)) is None
+
+
+def test_a_non_finite_optimizer_state_is_refused_and_skipped(run_copy, caplog):
+    full, out = run_copy
+    _nan_master(out / "checkpoint-4")
+    model = tiny_gpt2()
+    ckpt = out / "checkpoint-4"
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(ckpt))}: optimizer.pt "
+                       r"holds non-finite values \(param 0's master: 1 of \d+\): its run had "
+                       r"diverged when it saved, or the file changed since; nothing was loaded\. "
+                       r"The newest complete checkpoint is \S*checkpoint-2"):
+        _train(out, resume=str(ckpt), model=model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 tiny_gpt2().state_dict().values()))
+    with caplog.at_level(logging.WARNING, logger="hf_zoffload"):
+        resumed = _train(out, resume=True)
+    warned = [r.getMessage() for r in caplog.records if "resume_from_checkpoint" in r.getMessage()]
+    assert len(warned) == 1 and "skipped" in warned[0] and \
+        "checkpoint-4 (optimizer.pt holds non-finite values" in warned[0], warned
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+
+
+def _convert_to_shards(ckpt: Path) -> list[Path]:
+    """What transformers' test_resume_training_with_checkpoint does to a checkpoint: its
+    model.safetensors replaced by an index and one shard per tensor."""
+    weights = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    names = [f"model-{i + 1:05d}-of-{len(weights):05d}.safetensors" for i in range(len(weights))]
+    (ckpt / INDEX).write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict(zip(weights, names))}, indent=2, sort_keys=True))
+    for (key, t), name in zip(weights.items(), names):
+        save_file({key: t.contiguous()}, ckpt / name)
+    return [ckpt / n for n in names]
+
+
+def test_a_converted_checkpoint_resumes_with_one_info_line(run_copy, caplog):
+    full, out = run_copy
+    ckpt = out / "checkpoint-2"
+    shards = _convert_to_shards(ckpt)
+    assert len(shards) > 2 and why_incomplete(str(ckpt)) is None
+    with caplog.at_level(logging.INFO, logger="hf_zoffload"):
+        resumed = _train(out, resume=str(ckpt))
+    said = [r.getMessage() for r in caplog.records if "changed since it was saved" in
+            r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"checkpoint {ckpt} changed since it was saved "
+                              f"(model.safetensors is missing; {len(shards) + 1} new files "
+                              f"({shards[0].name} to {INDEX})); what a resume reads is "
+                              f"whole: resuming from it"), said[0]
+    assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]  # bit for bit
+    # really broken after the conversion: still refused, naming the shard
+    _cut_short(shards[1])
+    with pytest.raises(ValueError, match=rf"checkpoint-2 is incomplete \({shards[1].name} is "
+                       r"corrupt \(\d+ bytes, its header describes \d+\)\)"):
+        _train(out, resume=str(ckpt))
+    shards[1].unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint-2 is incomplete \({shards[1].name} is "
+                       rf"missing \(named by {INDEX}\)\)"):
+        _train(out, resume=str(ckpt))
 
 
 def test_resume_true_with_no_complete_checkpoint_is_one_error(run_copy):

@@ -71,6 +71,8 @@ def test_setup_lines():
     for line in code.strip().splitlines():
         script = ROOT / line.split()[1]
         assert script.is_file(), line
+    # the quick tier is named first (issue 35): the whole suite takes minutes more
+    assert "bash scripts/test.sh --fast" in code
     setup = (ROOT / "scripts" / "_setup_env.sh").read_text().splitlines()
     installs = [i for i, line in enumerate(setup) if "pip install" in line]
     assert installs
@@ -177,19 +179,19 @@ def test_accelerate_snippet(fresh_accelerate):
 
 @pytest.mark.slow
 def test_run_clm_snippet(tmp_path):
-    """The two run_clm.py lines, with options that make them small and quick appended (later
-    options win); without --bf16 where there is no GPU, as the README says. Both fork from
+    """The two run_clm.py lines as printed (for a CPU machine; on a GPU with the README's
+    change), with options that make them small and quick appended (later options win). Both
+    fork from
     one server that imported run_clm (tests/_preloaded.py; `python scripts/run_clm.py` as a
     fresh process: tests/acceptance/test_run_clm.py)."""
-    from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
+    from hf_zoffload.integrations.defaults import stdlib_corpus
 
     docs = stdlib_corpus(max_mb=0.1)
     (tmp_path / "train.txt").write_text("\n".join(docs[:-2]))
     (tmp_path / "valid.txt").write_text("\n".join(docs[-2:]))
-    train_tokenizer(docs, vocab_size=300).save_pretrained(tmp_path / "tokenizer")
     code = _find("bash", "scripts/run_clm.py").replace("\\\n", " ")
     small = ["--block_size", "32", "--max_eval_samples", "8", "--report_to", "none",
-             "--disable_tqdm", "true"]
+             "--disable_tqdm", "true", "--vocab_size", "300"]
     lines = code.strip().splitlines()
     assert len(lines) == 2
     with Preloaded(ROOT / "scripts" / "run_clm.py", _env(tmp_path),
@@ -200,8 +202,13 @@ def test_run_clm_snippet(tmp_path):
             extra = small + (["--config_overrides", "n_layer=2,n_embd=32,n_head=2",
                               "--max_steps", "3", "--max_train_samples", "64",
                               "--save_strategy", "no"] if i == 0 else [])
-            if not torch.cuda.is_available():
-                argv = [a for a in argv if a != "--bf16"]
+            # as printed on a CPU machine (issue 35): no --bf16, a --max_steps, no pinning,
+            # no tokenizer folder to have made first
+            assert "--bf16" not in argv and "--tokenizer_name" not in argv
+            assert " ".join(argv[-2:]) == "--dataloader_pin_memory false"
+            assert i == 1 or "--max_steps" in argv
+            if torch.cuda.is_available():
+                argv = [*argv[:-2], "--bf16"]  # what the README says to change on a GPU
             log = tmp_path / f"line{i}.log"
             rc = server.start([*argv[2:], *extra], out=log, cwd=tmp_path).wait(timeout=400)
             assert rc == 0, log.read_text()[-5000:]

@@ -2,6 +2,8 @@
 here, local text files, no network."""
 
 import json
+import logging
+import math
 import os
 import re
 import subprocess
@@ -212,8 +214,79 @@ def test_torchrun_on_cpus_adds_use_cpu():
     assert decide(["--use_cpu=false"], launched, None) is False
     assert decide([], dict(launched, ACCELERATE_USE_CPU="true"), None) is False
     assert decide([], launched, torch.device("cuda")) is False  # accelerate sets up NCCL
-    assert decide([], {}, None) is False  # one process: nothing to set up
+    assert decide([], {}, None) is False  # not launched: nothing to set up
     assert decide([], {"WORLD_SIZE": "1"}, None) is False
+    # one launched process: distributed for accelerate only with --use_cpu (--fsdp needs it)
+    assert decide([], {"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, None) is True
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--model_name_or_path", "./no-such-model"], "FileNotFoundError: --model_name_or_path "
+     "./no-such-model: no such file or directory (a local path must exist; a hub id is "
+     "'name' or 'org/name')"),
+    (["--tokenizer_name", "./tokenizer"], "FileNotFoundError: --tokenizer_name ./tokenizer: "
+     "no such file or directory"),
+    (["--config_name", "configs/missing.json"], "FileNotFoundError: --config_name "
+     "configs/missing.json: no such file or directory"),
+    (["--config_name", "a/b/c"], "FileNotFoundError: --config_name a/b/c: no such file"),
+    (["--model_name_or_path", "empty"], "FileNotFoundError: --model_name_or_path empty: no "
+     "config.json in that directory"),
+    (["--tokenizer_name", "train.txt"], "NotADirectoryError: --tokenizer_name train.txt: a "
+     "file; expected a directory"),
+    (["--train_file", "data.parquet"], "ValueError: --train_file data.parquet: unsupported "
+     "extension .parquet; allowed: .txt, .json, .jsonl, .csv"),
+    (["--train_file", "data"], "ValueError: --train_file data: unsupported extension (none)"),
+    (["--train_file", "missing.txt"], "FileNotFoundError: --train_file missing.txt: no such "
+     "file"),
+    (["--train_file", "train.txt", "--validation_file", "valid.csv"], "ValueError: "
+     "--train_file and --validation_file of different kinds"),
+    (["--zero_offload", "--fsdp", "full_shard offload"], "ValueError: --fsdp needs a "
+     "distributed launch"),
+])
+def test_local_paths_are_checked_before_anything_loads(argv, line, tmp_path, monkeypatch,
+                                                       capsys):
+    """Issue 35, item 4: a missing or mistyped local path went to the hub (34-53 s offline,
+    40-110 lines, exit 1). Now one line, exit 2, no connection tried, nothing written; and
+    --fsdp in a process that is not distributed is refused before any work (item 6)."""
+    import socket
+
+    run_clm = _run_clm_module()
+    tried = []
+
+    def connect(self, address):
+        tried.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.delenv("HF_ZOFFLOAD_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "train.txt").write_text("some text\n")
+    (tmp_path / "valid.csv").write_text("text\nsome text\n")
+    rc = run_clm.cli([*argv, "--output_dir", str(tmp_path / "out"), "--use_cpu",
+                      "--report_to", "none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"run_clm.py: error: {line}"), err[0]
+    assert tried == [] and not (tmp_path / "out").exists()
+
+
+def test_hub_ids_still_go_to_the_hub(tmp_path, monkeypatch):
+    """A value that is no local path and can be a hub id passes the check and is read from
+    the hub (here a stand-in for it: AutoConfig.from_pretrained mocked)."""
+    import transformers
+    from transformers import GPT2Config
+
+    run_clm = _run_clm_module()
+    monkeypatch.chdir(tmp_path)
+    asked = []
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda name, **kw: asked.append(name) or GPT2Config(n_layer=1))
+    for hub_id in ("gpt2", "openai-community/gpt2"):
+        margs = run_clm.ModelArguments(model_name_or_path=hub_id, tokenizer_name=hub_id)
+        run_clm.check_paths(margs, run_clm.DataArguments())
+        assert run_clm.model_config(margs).n_layer == 1
+    assert asked == ["gpt2", "openai-community/gpt2"]
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -416,8 +489,8 @@ def test_torchrun_without_use_cpu_is_two_ranks(from_config):
 
 @pytest.mark.slow
 def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path, clm):
-    """run_clm.py --zero_offload --fsdp "full_shard offload" (one rank, as torchrun starts
-    it: transformers refuses FSDP outside distributed training) on GPT-2 with its tied head:
+    """run_clm.py --zero_offload --fsdp --fsdp_config '{"version": 2, "cpu_offload": true}'
+    (one rank, as torchrun starts it: transformers refuses FSDP outside distributed training) on GPT-2 with its tied head:
     the Trainer shards it with accelerate's FSDP2 policy and the engine trains the shards;
     the losses and the eval loss are the plain --zero_offload run's."""
     from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer
@@ -432,11 +505,14 @@ def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path, clm):
             "--max_train_samples", "64", "--max_eval_samples", "8", "--do_train", "--do_eval",
             "--zero_offload", "--max_steps", "4", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
-            "--report_to", "none", "--use_cpu", "--disable_tqdm", "true",
+            "--report_to", "none", "--disable_tqdm", "true",
             "--save_strategy", "no", "--logging_steps", "1",
             "--zero_offload_log_history_extras"]
     got = {}
-    for name, extra in (("fsdp", ["--fsdp", "full_shard offload"]), ("plain", [])):
+    # the FSDP2 run as a user types it on a CPU machine: no --use_cpu (issue 35, item 6: the
+    # one launched process was not distributed, and transformers refused --fsdp)
+    fsdp = ["--fsdp", "--fsdp_config", '{"version": 2, "cpu_offload": true}']  # the README's
+    for name, extra in (("fsdp", fsdp), ("plain", ["--use_cpu"])):
         out = tmp_path / name
         logs = tmp_path / f"{name}_logs"
         logs.mkdir()
@@ -459,3 +535,21 @@ def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path, clm):
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")  # whole, fp32
     assert saved.config.n_layer == 2 and saved.lm_head.weight is saved.transformer.wte.weight
+
+
+def test_do_eval_without_validation_data_says_what_it_evaluates(tmp_path, monkeypatch, caplog):
+    """Issue 35, item 5: --do_eval without --validation_file evaluated the built-in corpus's
+    held-out part without a word."""
+    from tests._env import fresh_accelerate_state
+
+    run_clm = _run_clm_module()
+    with fresh_accelerate_state(monkeypatch), caplog.at_level(logging.INFO, logger="run_clm"):
+        got = run_clm.main(["--do_eval", "--model_type", "gpt2", "--config_overrides",
+                            "n_layer=1,n_embd=16,n_head=2", "--corpus_mb", "0.02",
+                            "--vocab_size", "300", "--block_size", "16",
+                            "--max_eval_samples", "4", "--output_dir", str(tmp_path),
+                            "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"])
+    said = [r.getMessage() for r in caplog.records if "--do_eval without" in r.getMessage()]
+    assert said == ["--do_eval without --validation_file: evaluating on the last 5% of the "
+                    "built-in standard-library corpus, held out of training"], said
+    assert got["eval_samples"] == 4 and math.isfinite(got["eval_loss"])

@@ -55,22 +55,8 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"'compute_dtype': 'fp8' is not allowed; allowed: fp16, bf16, fp32")
     child.expect(r"\(fp32/bf16/fp16\)\? \[fp32\]: ")  # asked again
     child.sendline("fp16")
-    child.expect(r"MiB.*\? \[32.0\]: ")
-    child.sendline("-1")
-    child.expect(r"'bucket_size_mb': '-1' is not allowed; must be > 0.0")
-    child.expect(r"MiB.*\? \[32.0\]: ")
-    child.sendline("8")
-    child.expect(r"pinned.*\[YES/no\]: ")
-    child.sendline("no")
-    child.expect(r"delayed parameter update.*\[yes/NO\]: ")
-    child.sendline("yes")
-    child.expect(r"without delay first\? \[40\]: ")
-    child.sendline("5")
-    child.expect(r"CPU threads.*\[0\]: ")
-    child.sendline("?")  # help, then the same question
-    child.expect(r"cpu_threads: threads for the CPU-Adam")
-    child.expect(r"CPU threads.*\[0\]: ")
-    child.sendline("2")
+    # the common path; on CPU processes no offload_fraction (nor, below, pinned buffers or
+    # kernels), and no master_dtype with fp16 compute
     child.expect(r"Adam moments \(fp32/bf16/int8/int4\)\? \[fp32\]: ")
     child.sendline("int2")
     child.expect(r"'state_dtype': 'int2' is not allowed; allowed: fp32, bf16, int8, int4")
@@ -81,15 +67,30 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     child.expect(r"host_memory_limit.*expected a number with a unit")
     child.expect(r"optimizer state, with a unit .*\? \[0\]: ")
     child.sendline("48GiB")
-    child.expect(r"stay on the host, from 0 to 1 .*\? \[1\]: ")
-    child.sendline("1.5")
-    child.expect(r"'offload_fraction': '1.5' is not allowed; allowed: a number from 0 to 1")
-    child.expect(r"stay on the host, from 0 to 1 .*\? \[1\]: ")
-    child.sendline("auto")
-    child.expect(r"GPU memory may auto plan with.*\? \[0\]: ")
-    child.sendline("40GiB")
     child.expect(r"\(fp32/compute\)\? \[fp32\]: ")
     child.sendline("")  # the default: not written
+    child.expect(r"advanced settings .*\? \[yes/NO\]: ")
+    child.sendline("yes")
+    child.expect(r"MiB.*\? \[32.0\]: ")
+    child.sendline("-1")
+    child.expect(r"'bucket_size_mb': '-1' is not allowed; must be > 0.0")
+    child.expect(r"MiB.*\? \[32.0\]: ")
+    child.sendline("8")
+    child.expect(r"delayed parameter update.*\[yes/NO\]: ")
+    child.sendline("yes")
+    child.expect(r"without delay first\? \[40\]: ")
+    child.sendline("5")
+    child.expect(r"CPU threads.*\[0\]: ")
+    child.sendline("?")  # help, then the same question
+    child.expect(r"cpu_threads: threads for the CPU-Adam")
+    child.expect(r"CPU threads.*\[0\]: ")
+    child.sendline("2")
+    child.expect(r"physical cores\? \[YES/no\]: ")
+    child.sendline("no")
+    child.expect(r"global gradient norm.*\? \[0.0\]: ")
+    child.sendline("1.0")
+    child.expect(r"non-finite loss or gradient norm \(0: never\)\? \[3\]: ")
+    child.sendline("5")
     child.expect(r"loss scaler\? \[yes/NO\]: ")
     child.sendline("yes")
     child.expect(r"Initial loss scale\? \[65536.0\]: ")
@@ -111,10 +112,10 @@ def test_wizard_writes_both_yamls_and_reasks_wrong_answers(tmp_path):
     side = yaml.safe_load(Path(sidecar_path(str(cfg))).read_text())
     assert Path(sidecar_path(str(cfg))) == tmp_path / "acc_zoffload.yaml"
     assert side["zero_offload"] is True
-    chosen = dict(compute_dtype="fp16", bucket_size_mb=8, pin_memory=False, delayed_update=True,
-                  delayed_update_warmup_steps=5, cpu_threads=2, state_dtype="bf16",
-                  host_memory_limit="48gib", offload_fraction="auto",
-                  device_memory_limit="40gib", init_scale=1024, backoff_factor=0.25,
+    chosen = dict(compute_dtype="fp16", bucket_size_mb=8, delayed_update=True,
+                  delayed_update_warmup_steps=5, cpu_threads=2, bind_cores=False,
+                  state_dtype="bf16", host_memory_limit="48gib", max_grad_norm=1.0,
+                  max_nonfinite_steps=5, init_scale=1024, backoff_factor=0.25,
                   growth_interval=100, hysteresis=1)
     # only the answers that differ from the default offered: a default written would pin it
     assert side["zoffload"] == ZeroOffloadPlugin(**chosen).to_dict(chosen)
@@ -144,7 +145,7 @@ def test_wizard_follows_accelerates_mixed_precision(monkeypatch, capsys):
     from hf_zoffload.commands import config
 
     prompts = []
-    answers = iter(["yes", "", "", "", "", "", "", "", "compute"])
+    answers = iter(["yes", "", "", "", "compute", ""])  # state, master, host, save, advanced
 
     def answer(prompt=""):
         prompts.append(prompt)
@@ -202,6 +203,58 @@ def test_accelerate_wizard_internals(monkeypatch):
 
 
 # ------------------------------------------------------------ FSDP2 parameter offload
+_ASK = config._Asker.__call__
+
+
+def _wizard(monkeypatch, replies: dict, **kw) -> tuple[list[str], list[str]]:
+    """`ask_offload` with each prompt answered by the first of ``replies`` (prompt fragment
+    -> answer) it contains, else the default; (the settings asked, the prompts)."""
+    from hf_zoffload.commands import config
+
+    asked, prompts = [], []
+    ask = _ASK  # the class's own, not an earlier call's wrapper
+    monkeypatch.setattr(config._Asker, "__call__", lambda self, name, question, default=None: (
+        asked.append(name), ask(self, name, question, default))[1])
+
+    def answer(prompt=""):
+        prompts.append(prompt)
+        return next((a for k, a in replies.items() if k in prompt), "")
+
+    monkeypatch.setattr("builtins.input", answer)
+    assert config.ask_offload(**kw)[0]
+    return asked, prompts
+
+
+OPEN_ALL = {"use ZeRO-Offload": "yes", "stay on the host": "auto", "advanced": "yes",
+            "delayed parameter update": "yes", "loss scaler": "yes"}
+
+
+def test_the_wizard_asks_every_setting(monkeypatch):
+    """Issue 35, item 7: master_dtype, bind_cores, kernels and max_grad_norm were never
+    asked. With every group opened, a bf16 run and an fp16 run on GPUs ask them all."""
+    bf16, _ = _wizard(monkeypatch, OPEN_ALL, mixed_precision="bf16", on_gpu=True)
+    fp16, _ = _wizard(monkeypatch, OPEN_ALL, mixed_precision="fp16", on_gpu=True)
+    fp32, _ = _wizard(monkeypatch, {**OPEN_ALL, "dtype should the parameters": "fp32"},
+                      on_gpu=True)
+    assert "master_dtype" in bf16 and "master_dtype" not in fp16  # a bf16 master: bf16 only
+    assert "init_scale" in fp16 and "init_scale" not in bf16
+    assert "compute_dtype" in fp32  # accelerate's "no": the one run that asks it
+    assert set(bf16) | set(fp16) | set(fp32) == set(ZeroOffloadPlugin.names())
+    # the common path stays short: the advanced group and the scaler unopened
+    short, _ = _wizard(monkeypatch, {"use ZeRO-Offload": "yes"}, mixed_precision="bf16",
+                       on_gpu=True)
+    assert short == ["state_dtype", "master_dtype", "host_memory_limit", "offload_fraction",
+                     "save_dtype"]
+
+
+def test_a_cpu_only_config_asks_no_gpu_question(monkeypatch):
+    asked, prompts = _wizard(monkeypatch, OPEN_ALL, mixed_precision="fp16")
+    for name in ("pin_memory", "kernels", "offload_fraction", "device_memory_limit"):
+        assert name not in asked, name
+    assert not any("GPU" in p or "CUDA" in p for p in prompts), prompts
+    assert {"bind_cores", "max_grad_norm", "max_nonfinite_steps", "cpu_threads"} <= set(asked)
+
+
 DEEP_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16,
                   num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=999)
 
@@ -244,7 +297,9 @@ def test_wizard_proposes_fsdp2_offload_when_the_weights_do_not_fit(monkeypatch, 
     assert "with optimizer offload alone the GPU would hold" in out
     assert "FSDP2 parameter offload keeps the weights on the host too" in out
     assert "of model states)." in out  # fits
-    assert any('--fsdp "full_shard offload" --zero_offload' in p for p in prompts)
+    assert any(config.TRAINER_FLAGS in p for p in prompts)
+    assert config.TRAINER_FLAGS == ('--fsdp --fsdp_config \'{"version": 2, "cpu_offload": '
+                                    'true}\' --zero_offload')  # not the deprecated string
     assert not any("stay on the host" in p for p in prompts)
     assert "offload_fraction stays 1" in out
     # "no": optimizer offload alone, and offload_fraction is asked as before
@@ -325,7 +380,7 @@ def test_wizard_writes_accelerates_fsdp2_plugin_with_parameter_offload(monkeypat
     assert loaded.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     config.check_fsdp(loaded.fsdp_config)
     out = capsys.readouterr().out
-    assert 'with the Trainer pass --fsdp "full_shard offload" --zero_offload' in out
+    assert f"with the Trainer pass {config.TRAINER_FLAGS}" in out
     assert f"`hf-zoffload estimate --config_file {cfg} MODEL` counts it" in out
     # and it does: the config written turns estimate's mode on
     from hf_zoffload.commands.estimate import fsdp2_layout

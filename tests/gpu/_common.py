@@ -29,6 +29,8 @@ import torch
 from hf_zoffload.config import ZeroOffloadPlugin
 from hf_zoffload.offload.copier import CudaCopier
 from hf_zoffload.offload.engine import ZeroOffloadOptimizer
+from hf_zoffload.offload.tiers import Tier
+from tests.offload._async_copier import synchronize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # ~1 ms at an H200's 1.98 GHz boost clock (up to ~6 ms at its 345 MHz idle clock): far
@@ -164,48 +166,57 @@ class ParamModel(torch.nn.Module):
                             if not skips(step, micro, i)]).sum()
 
 
+def async_problems(opt, *, pinned: bool = True) -> list[str]:
+    """Why the engine's copier stack would not copy asynchronously, asked through its
+    interface (`copier.Streams`, whatever classes build it): uploads never in flight at a
+    forward, no bucket whose state is on the host (nothing copied), and, with ``pinned``
+    (CUDA), host buffers not page-locked. Where copies cannot be in flight nothing races,
+    and an equality with the CPU engine proves little."""
+    streams, bad = opt.copier.streams, []
+    if not streams.forwards_wait():
+        bad.append(f"the engine's copies are synchronous ({type(streams).__name__}: no "
+                   "upload is ever in flight at a forward)")
+    host = [b for b in opt.buckets if b.tier is Tier.HOST]
+    if not host:
+        bad.append("no bucket's state is on the host: nothing is copied")
+    if pinned and (not streams.pinned or not all(b.state.grads.grad16.is_pinned()
+                                                 for b in host)):
+        bad.append("host buffers are not pinned (pinning failed?): copies are synchronous "
+                   "and the race check proves nothing")
+    return bad
+
+
 class LateReads:
     """Reads of the params after a step that do not make the compute stream wait for the
     uploads: with per-module waits (``model=``) a read after ``finish_uploads()`` would
     leave the next forward's ``wait_ready`` nothing to wait for, and the stress (and the
-    CUDA sanitizer) blind to a missing one. On CUDA the copies run on a stream of their own
-    behind the uploads queued so far, and later uploads wait for them; on the test suite's
-    `AsyncCopier` they are a job behind the uploads on its worker; on the CPU they are
-    immediate. `settle()` before the copies are read."""
+    CUDA sanitizer) blind to a missing one. The copies are queued through the engine's own
+    copier stack (`Streams.queue_on_side`): on CUDA on its side stream behind the uploads
+    queued so far, the later uploads behind them; on the test suite's `AsyncCopier` a job
+    behind the uploads on its worker; on the CPU at once. `settle()` before the copies are
+    read."""
 
     def __init__(self, opt):
-        self.copier = opt.copier
-        self.stream = torch.cuda.Stream(opt.device) if isinstance(opt.copier, CudaCopier) \
-            else None
+        self.opt, self.streams = opt, opt.copier.streams
 
     def read(self, tensors) -> list[torch.Tensor]:
-        tensors = [t.detach() for t in tensors]
-        c = self.copier
-        if self.stream is not None:
-            self.stream.wait_stream(c.stream)
-            with torch.cuda.stream(self.stream):
-                out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-                for o, t in zip(out, tensors):
-                    o.copy_(t, non_blocking=True)
-            c.stream.wait_stream(self.stream)  # the next uploads overwrite what is read here
-            return out
-        if hasattr(c, "queue_read"):  # tests/offload/_async_copier.py
-            out = [torch.empty_like(t) for t in tensors]
-            c.queue_read(lambda: [o.copy_(t) for o, t in zip(out, tensors)])
-            return out
-        return [t.to("cpu", copy=True) for t in tensors]
+        tensors, pin = [t.detach() for t in tensors], self.streams.pinned
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
+        self.streams.queue_on_side(
+            lambda: [o.copy_(t, non_blocking=pin) for o, t in zip(out, tensors)])
+        return out
 
     def settle(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-        elif hasattr(self.copier, "synchronize"):
-            self.copier.synchronize()
+        if self.opt.device.type == "cuda":
+            torch.cuda.synchronize(self.opt.device)
+        else:
+            synchronize(self.opt)  # the stand-in's worker; nothing for the CPU's copier
 
 
 def snapshot(opt, params, reader: LateReads) -> dict:
     model = _models.get(opt)
     if model is None:  # no forward waits: the reads below make the device wait for all
-        opt.copier.finish_uploads()
+        opt.copier.streams.finish_uploads()
         snap = {"params": [p.detach().to("cpu", copy=True) for p in params]}
     else:
         snap = {"params": reader.read(params), "forward": list(model.reads)}

@@ -164,8 +164,8 @@ def test_pinned_allocator_holds_what_the_report_counts(figures):
     print(f"pinned allocator before the engine: {before}")
     # Where pinning failed the engine says so (a warning, memory_report()'s host_pinning) and
     # runs on pageable memory: not an inconsistency here (test_race.py fails on it).
-    pins = opt.copier.pinned and report.get("host_pinning", "pinned") == "pinned"
-    if opt.copier.pinned and facts["staging_unpinned"]:
+    pins = opt.copier.streams.pinned and report.get("host_pinning", "pinned") == "pinned"
+    if opt.copier.streams.pinned and facts["staging_unpinned"]:
         print(f"note: {facts['staging_unpinned']} staging buffers are not pinned "
               f"(pinning failed?)")
     lines, failures = verdict(report, stats, facts, engine_pins=pins)

@@ -26,6 +26,7 @@ on the CPU, where the suite's AsyncCopier stands in for the side stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import sys
 import time
@@ -33,6 +34,7 @@ import time
 import pytest
 import torch
 
+from hf_zoffload.offload.engine import ZeroOffloadOptimizer
 from tests.gpu import _common as common
 from tests.gpu._common import Config
 from tests.offload._async_copier import AsyncCopier, installed
@@ -55,33 +57,23 @@ def configs(short: bool, steps: int | None = None) -> list[Config]:
             for accum in (1, 3)]
 
 
-def async_problems(opt) -> list[str]:
-    """The CUDA engine must copy asynchronously (pinned buffers on a side stream), else
-    nothing here can race and equality proves little."""
-    if not isinstance(opt.copier, common.CudaCopier):
-        return [f"the engine on CUDA uses {type(opt.copier).__name__}, not CudaCopier"]
-    if not opt.copier.pinned or not all(b.state.grads.grad16.is_pinned() for b in opt.buckets):
-        return ["host buffers are not pinned (pinning failed?): copies are synchronous and "
-                "the race check proves nothing"]
-    return []
-
-
 def run_config(cfg: Config, *, sleep_cycles: int, delays: dict, device: str = "cuda",
-               around=contextlib.nullcontext) -> dict:
+               around=None) -> dict:
     """One configuration: the engine on ``device`` against the engine on the CPU (``device``
     "cpu" in the CPU tests below, which check this logic, and ``around()`` is entered while
     the engine under test is built and trained: the suite's AsyncCopier, which emulates the
-    side stream)."""
+    side stream). The engine under test must copy asynchronously (`common.async_problems`)
+    on CUDA and through the stand-in alike."""
     consts = common.constants(cfg)
     ref_params = common.make_params("cpu")
     ref_opt = common.make_engine(ref_params, cfg)
     ref = common.train(ref_opt, ref_params, consts, device="cpu")
 
     cuda = device == "cuda"
-    with around():
+    with (around or contextlib.nullcontext)():
         params = common.make_params(device)
         opt = common.make_engine(params, cfg)
-        bad = async_problems(opt) if cuda else []
+        bad = common.async_problems(opt, pinned=cuda) if cuda or around else []
         before, t0 = delays["entered"], time.perf_counter()
         got = common.train(opt, params, consts, device=device,
                            compute_sleep=sleep_cycles if cuda else 0)
@@ -270,3 +262,44 @@ def test_delayed_side_wraps_and_restores_the_copier_side(monkeypatch):
             pass
         assert count["entered"] == 1 and entered == ["copier"]
     assert common.CudaCopier.side is fake_side
+
+
+def test_async_problems_asks_the_engines_own_copier_stack():
+    """`async_problems` (the stress's and the Trainer gpu test's precondition) over the
+    stack the engine builds: the stand-in's asynchronous copies pass it, the CPU's
+    synchronous ones do not, nor an engine whose every bucket stays on the device (nothing
+    is copied). So a change to the stack's wrappers that hides the streams breaks here."""
+    params = common.make_params("cpu")
+    cfg = common.Config("bf16", False, 1, 1)
+    with installed(3):
+        opt = common.make_engine(params, cfg)
+        assert common.async_problems(opt, pinned=False) == []
+        assert common.async_problems(opt) == [
+            "host buffers are not pinned (pinning failed?): copies are synchronous and the "
+            "race check proves nothing"]
+    opt = common.make_engine(common.make_params("cpu"), cfg)
+    assert any("copies are synchronous (HostCopier" in m
+               for m in common.async_problems(opt, pinned=False))
+    with installed(4):
+        opt = ZeroOffloadOptimizer(common.make_params("cpu"), plugin=dataclasses.replace(
+            common.plugin(cfg), offload_fraction="0"))
+        assert common.async_problems(opt, pinned=False) == [
+            "no bucket's state is on the host: nothing is copied"]
+
+
+def test_late_reads_queue_behind_the_uploads_through_the_engines_stack():
+    """`LateReads` through the engine's copier stack over the stand-in: a read is a job on
+    the emulated side stream (the host does not wait for it, nor for the uploads before
+    it), and once settled it holds the params the last step uploaded."""
+    cfg = common.Config("bf16", False, 1, 2)
+    with installed(5) as made:
+        params = common.make_params("cpu")
+        opt = common.make_engine(params, cfg)
+        common.train(opt, params, common.constants(cfg), device="cpu")
+        reader, c = common.LateReads(opt), made[0]
+        with c.hold():  # the worker starts nothing: the read must still be queued
+            out = reader.read(params)
+            assert c.counts["jobs_read"] == 1 and c._done < c._queued
+        reader.settle()
+        c.synchronize()
+        assert all(torch.equal(o, p.detach()) for o, p in zip(out, params))

@@ -213,3 +213,46 @@ def test_torch_check_agrees_with_torch_load(tmp_path, ckpt):
             torch.load(io.BytesIO(data[:cut]), weights_only=True)
     assert file_problem(str(ckpt / "optimizer.pt")) is None
     torch.load(ckpt / "optimizer.pt", weights_only=True)
+
+
+def test_bytes_garbled_inside_a_record_fail_its_crc(tmp_path, ckpt):
+    opt = ckpt / "optimizer.pt"
+    data = opt.read_bytes()
+    with zipfile.ZipFile(opt) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
+    # the record's bytes start after its local header (30 bytes, its name, its extra field)
+    start = info.header_offset + 30 + int.from_bytes(data[info.header_offset + 26:
+                                                          info.header_offset + 28], "little") \
+        + int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    for at in (start, start + info.file_size // 2, start + info.file_size - 1):
+        _overwrite(opt, at, bytes([data[at] ^ 0x01]))  # one bit: the size and structure hold
+        assert why_incomplete(str(ckpt)) == (
+            f"optimizer.pt is corrupt (record {info.filename}: its bytes' CRC-32 is "
+            f"{__import__('zlib').crc32(opt.read_bytes()[start:start + info.file_size]):08x}, "
+            f"{info.CRC:08x} was written (bytes garbled inside the data))"), at
+        _overwrite(opt, at, data[at:at + 1])
+        assert why_incomplete(str(ckpt)) is None
+
+
+def test_a_changed_but_whole_set_is_accepted_and_described(ckpt):
+    from hf_zoffload.integrations.completeness import changed_since_saved
+    w = _weights()
+    (ckpt / "model.safetensors").unlink()
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for (k, t), n in zip(w.items(), names):
+        save_file({k: t}, ckpt / n)
+    assert why_incomplete(str(ckpt)) == (  # shards and no index yet: really incomplete
+        f"{INDEX} is missing (3 shards, such as {names[0]}, are there)")
+    (ckpt / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(zip(w, names))}))
+    assert why_incomplete(str(ckpt)) is None
+    assert changed_since_saved(str(ckpt)) == [
+        "model.safetensors is missing", f"4 new files ({names[0]} to {INDEX})"]
+    # re-saved at another size, still whole: accepted; the marker's difference is named
+    torch.save({"last_epoch": 3, "_step_count": 4, "extra": list(range(50))},
+               ckpt / "scheduler.pt")
+    assert why_incomplete(str(ckpt)) is None
+    assert any(c.startswith("scheduler.pt has ") for c in changed_since_saved(str(ckpt)))
+    # broken: the difference from the marker, where it concerns the broken file, is named
+    os.truncate(ckpt / "optimizer.pt", 100)
+    size = json.loads((ckpt / COMPLETE_NAME).read_text())["files"]["optimizer.pt"]
+    assert why_incomplete(str(ckpt)) == f"optimizer.pt has 100 bytes, {size} were saved"

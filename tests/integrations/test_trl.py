@@ -364,8 +364,8 @@ def test_every_order_of_the_bases_trains_with_offload(data, trainer_cls, args_cl
     assert args.bf16 is False and isinstance(args.pad_to_multiple_of, (int, type(None)))
 
 
-def _engine(model):
-    return ZeroOffloadOptimizer(model.parameters(), plugin=ZeroOffloadPlugin(compute_dtype="fp32"))
+# make_engine's defaults here (tests/_fixtures.py)
+ENGINE_DEFAULTS = dict(compute_dtype="fp32")
 
 
 def _plain_args(**kw):
@@ -373,49 +373,49 @@ def _plain_args(**kw):
                                         report_to=[], **kw)
 
 
-# name: (build and train with a model, the one line it stops with)
+# name: (build and train with a model and make_engine as e, the one line it stops with)
 REFUSED = {
     "stock-trainer+our-args": (
-        lambda d, m: _build(SFTTrainer, d, _sft_args(), model=m),
+        lambda d, m, e: _build(SFTTrainer, d, _sft_args(), model=m),
         r"^SFTTrainer was given ZeroOffloadSFTConfig with zero_offload=True, but SFTTrainer is "
         r"not a ZeRO-Offload trainer .* Use hf_zoffload\.zero_offload_trainer\(SFTTrainer\)"),
     "dpo+plain-args": (
-        lambda d, m: zero_offload_trainer(DPOTrainer)(
+        lambda d, m, e: zero_offload_trainer(DPOTrainer)(
             model=m, ref_model=llama(), args=_plain_args(), train_dataset=d["preference"],
             processing_class=tokenizer()),
         r"^ZeroOffloadDPOTrainer takes DPOConfig arguments, not ZeroOffloadTrainingArguments:"
         r" build them with hf_zoffload\.zero_offload_args\(DPOConfig\)\(\.\.\., "
         r"zero_offload=True\)$"),
     "sft-first+plain-args": (
-        lambda d, m: _build(SftThenOffload, d, _plain_args(), model=m),
+        lambda d, m, e: _build(SftThenOffload, d, _plain_args(), model=m),
         r"^SftThenOffload takes SFTConfig arguments, not ZeroOffloadTrainingArguments"),
     "stock+optimizers=": (
-        lambda d, m: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
-                            model=m, optimizers=(_engine(m), None)).train(),
+        lambda d, m, e: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
+                            model=m, optimizers=(e(m), None)).train(),
         r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare, .* with a Trainer use "
         r"hf_zoffload\.zero_offload_trainer\(<the Trainer class>\) with zero_offload=True"),
     "stock+optimizer_cls_and_kwargs=": (
-        lambda d, m: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
+        lambda d, m, e: _build(SFTTrainer, d, SFTConfig(**dict(COMMON, output_dir="/tmp/unused")),
                             model=m, optimizer_cls_and_kwargs=(ZeroOffloadOptimizer, {
                                 "plugin": ZeroOffloadPlugin(compute_dtype="fp32")})).train(),
         r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
     "transformers-Trainer+optimizers=": (
-        lambda d, m: Trainer(model=m, args=TrainingArguments(**dict(
+        lambda d, m, e: Trainer(model=m, args=TrainingArguments(**dict(
             COMMON, output_dir="/tmp/unused")), train_dataset=[{"input_ids": torch.ones(
                 8, dtype=torch.long), "labels": torch.ones(8, dtype=torch.long)}] * 8,
-            optimizers=(_engine(m), None)).train(),
+            optimizers=(e(m), None)).train(),
         r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
     "offload-off+optimizers=": (
-        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(zero_offload=False),
-                            model=m, optimizers=(_engine(m), None)).train(),
+        lambda d, m, e: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(zero_offload=False),
+                            model=m, optimizers=(e(m), None)).train(),
         r"^a ZeroOffloadOptimizer was passed to accelerator\.prepare"),
     "ours+optimizers=": (
-        lambda d, m: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(), model=m,
+        lambda d, m, e: _build(zero_offload_trainer(SFTTrainer), d, _sft_args(), model=m,
                             optimizers=(torch.optim.AdamW(m.parameters()), None)),
         r"^zero_offload=True builds its own optimizer and scheduler: do not pass optimizers= "
         r"to ZeroOffloadSFTTrainer"),
     "ours+optimizer_cls_and_kwargs=": (
-        lambda d, m: _build(OffloadThenSft, d, _sft_args(), model=m,
+        lambda d, m, e: _build(OffloadThenSft, d, _sft_args(), model=m,
                             optimizer_cls_and_kwargs=(torch.optim.AdamW, {})),
         r"^zero_offload=True builds its own optimizer and scheduler: do not pass "
         r"optimizer_cls_and_kwargs= to OffloadThenSft"),
@@ -423,13 +423,13 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_what_cannot_work_is_refused_in_one_line_before_any_step(data, name):
+def test_what_cannot_work_is_refused_in_one_line_before_any_step(data, name, make_engine):
     """Each stops with one line naming what works, and the model keeps its initial weights
     (a ZeroOffloadOptimizer built on it has cast them to its compute dtype, fp32 here)."""
     build, match = REFUSED[name]
     model = llama()
     with pytest.raises(ValueError, match=match) as err:
-        build(data, model)
+        build(data, model, make_engine)
     assert "\n" not in str(err.value)
     for p, q in zip(model.parameters(), llama().parameters()):
         assert torch.equal(p, q)

@@ -1,5 +1,6 @@
-"""`AsyncCopier`: the copier interface (hf_zoffload/offload/copier.py) with `CudaCopier`'s
-ordering on CPU tensors, so that a missing wait shows up on a machine without a GPU.
+"""`AsyncCopier`: the copier interfaces (hf_zoffload/offload/copier.py: `Streams` and the host
+`Transport`) with `CudaCopier`'s ordering on CPU tensors, so that a missing wait shows up on a
+machine without a GPU.
 
 Most of the CUDA path's correctness is ordering: a copy must finish before its destination is
 read and before its source is overwritten (docs/design.md, "Stream rules"). `HostCopier` copies
@@ -46,12 +47,12 @@ import weakref
 
 import torch
 
-from hf_zoffload.offload.copier import Copier
+from hf_zoffload.offload.copier import Streams, Transport
 
 _live: weakref.WeakSet = weakref.WeakSet()  # open copiers, for the forward pre-hook
 
 
-class AsyncCopier(Copier):
+class AsyncCopier(Streams, Transport):
     cuda_path = True  # as CUDA: new params go up through to_params / to_flat
 
     def updates_in_place(self, delayed: bool) -> bool:
@@ -219,10 +220,9 @@ class AsyncCopier(Copier):
     def device_times(self) -> dict[str, float]:
         return {}  # emulated copies: no device time to report
 
-    def queue_read(self, fn) -> None:
-        """For tests: ``fn`` (a read of params, say) as a job on the side stream, after
-        everything queued so far and before anything queued later; the caller does not wait
-        (CUDA: a copy on another stream that waited for this one)."""
+    def queue_on_side(self, fn) -> None:
+        """``fn`` (a read of params, say) as a job on the side stream, after everything
+        queued so far and before anything queued later; the caller does not wait."""
         self._enqueue("jobs_read", fn)
 
     def mark_ready(self, key: int) -> None:
@@ -311,7 +311,7 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
     16-bit grads and they go up through ``to_params`` / ``to_flat``, as on CUDA (else the
     engine writes them into the params in place and uploads nothing, as on the CPU).
     Yields the list of copiers made; closes them on the way out."""
-    import hf_zoffload.offload.engine as engine
+    import hf_zoffload.offload.build as build
 
     made: list[AsyncCopier] = []
 
@@ -320,15 +320,15 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
         made[-1].cuda_path = cuda_path
         return made[-1]
 
-    saved = engine.make_copier
-    engine.make_copier = make_copier
+    saved = build.make_copier
+    build.make_copier = make_copier
     ok = False
     try:
         with forward_waits():
             yield made
         ok = True
     finally:
-        engine.make_copier = saved
+        build.make_copier = saved
         errors = []
         for c in made:
             try:
@@ -341,6 +341,6 @@ def installed(seed: int, *, cuda_path: bool = True, **options):
 
 def synchronize(opt) -> None:
     """Before reading params "on the device": no-op for the other copiers."""
-    sync = getattr(opt.copier, "synchronize", None)
+    sync = getattr(opt.copier.streams, "synchronize", None)
     if sync is not None:
         sync()

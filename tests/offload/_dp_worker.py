@@ -105,7 +105,7 @@ def train(rank: int, world: int, *, start=0, stop=STEPS, load=None, save_at=None
             loss = model(ids, extra_rows=ROWS // 2 if use_extra else 0,
                          extra_weight=0.5 * (ROWS // k))
             unsynced = step in (4, 9) or (step % 2 == 0 and micro < ACCUM - 1)
-            sent = dict(opt.exchange.sent) if opt.exchange.world > 1 else None
+            sent = opt.collective_bytes if opt.exchange.world > 1 else None
             with opt.no_sync() if unsynced else _null():
                 if kill_at == (step, micro) and rank == 1:
                     with open(os.path.join(kill_dir, "stopped_at"), "w") as fh:
@@ -176,7 +176,7 @@ def overflow(rank: int, world: int) -> dict:
 def _synchronize(opt) -> None:
     """Before params are read: the copies of an emulated device are done (a no-op with the
     engine's own copiers; tests/offload/_async_copier.py)."""
-    sync = getattr(opt.copier, "synchronize", None)
+    sync = getattr(opt.copier.streams, "synchronize", None)
     if sync is not None:
         sync()
 
@@ -207,7 +207,7 @@ def with_copier(rank: int, world: int, *, job: tuple[str, dict], copier: dict | 
         _synchronize(opt)
         result["host"] = [t.clone() for b in opt.buckets
                           for t in (b.state.master, b.state.exp_avg, b.state.exp_avg_sq)]
-        result["copier"] = type(opt.copier.inner).__name__  # inside PlacedCopier
+        result["copier"] = type(opt.copier.streams).__name__
         if copier is not None:
             result["copier_jobs"] = sum(c.counts["jobs"] for c in made)
     return result

@@ -27,7 +27,7 @@ def test_cuda_matches_cpu_engine(dtype, module_waits):
                                    plugin=ZeroOffloadPlugin(**plugin),
                                    model=gpu_model if module_waits else None)
     assert (gpu_opt.module_waits is not None) == module_waits
-    assert gpu_opt.copier.pinned and gpu_opt.buckets[0].state.grads.grad16.is_pinned()
+    assert gpu_opt.copier.streams.pinned and gpu_opt.buckets[0].state.grads.grad16.is_pinned()
     for step in range(6):
         for micro in range(2):
             ids = data[(2 * step + micro) % len(data)]

@@ -29,24 +29,16 @@ def _data(i):
     return torch.randn(8, 37, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
 
 
-def _engine(model, state="fp32", **plugin):
-    kw = dict(compute_dtype="bf16", master_dtype="bf16", state_dtype=state,
-              bucket_size_mb=0.02, pin_memory=False)
-    return ZeroOffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD,
-                                plugin=ZeroOffloadPlugin(**{**kw, **plugin}))
-
-
-def _train(model, opt, steps, start=0):
-    for i in range(start, start + steps):
-        model(_data(i)).backward()
-        opt.step()
-        opt.zero_grad()
+# make_engine's and train's defaults here (tests/_fixtures.py)
+ENGINE_DEFAULTS = dict(lr=LR, weight_decay=WD, compute_dtype="bf16", master_dtype="bf16",
+                       bucket_size_mb=0.02, pin_memory=False)
+TRAIN_DEFAULTS = dict(batch=_data, loss=lambda model, x, step: model(x))
 
 
 @pytest.mark.parametrize("state", ["fp32", "int4"])
-def test_engine_is_the_kernel_applied_param_by_param(state):
+def test_engine_is_the_kernel_applied_param_by_param(state, make_engine):
     model, ref = _Net(), _Net()
-    opt = _engine(model, state)
+    opt = make_engine(model, state_dtype=state)
     assert len(opt.buckets) > 1 and all(b.state.master.dtype == torch.bfloat16
                                         for b in opt.buckets)
     ref.to(torch.bfloat16)
@@ -74,13 +66,13 @@ def test_engine_is_the_kernel_applied_param_by_param(state):
             assert torch.equal(opt.host_views(q)["master"], p.reshape(-1)), (step, n)
 
 
-def test_same_bits_for_any_bucket_split_and_thread_count():
+def test_same_bits_for_any_bucket_split_and_thread_count(make_engine, train):
     runs = []
     for plugin in (dict(), dict(bucket_size_mb=32.0), dict(bucket_size_mb=0.005, cpu_threads=1),
                    dict(cpu_threads=2)):
         model = _Net()
-        opt = _engine(model, "int8", **plugin)
-        _train(model, opt, 4)
+        opt = make_engine(model, state_dtype="int8", **plugin)
+        train(model, opt, 4)
         runs.append([p.detach().clone() for p in model.parameters()])
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -89,42 +81,43 @@ def test_same_bits_for_any_bucket_split_and_thread_count():
 
 @pytest.mark.parametrize("state", ["fp32", "int4"])
 @pytest.mark.parametrize("delayed", [False, True])
-def test_checkpoint_holds_fp32_master_and_resumes_exactly(state, delayed, tmp_path):
+def test_checkpoint_holds_fp32_master_and_resumes_exactly(state, delayed, tmp_path, make_engine,
+                                                          train):
     plugin = dict(delayed_update=delayed, delayed_update_warmup_steps=1)
     model = _Net()
-    opt = _engine(model, state, **plugin)
-    _train(model, opt, 3)
+    opt = make_engine(model, state_dtype=state, **plugin)
+    train(model, opt, 3)
     sd = opt.state_dict()
     assert sd["zero_offload"]["sr_seed"] == opt.sr_seed
     for s, p in zip(sd["state"].values(), model.parameters()):
         assert s["master"].dtype == torch.float32
         assert torch.equal(s["master"].to(torch.bfloat16), p.detach())  # bf16 values, exact
     torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ck.pt")
-    _train(model, opt, 4, start=3)
+    train(model, opt, 4, start=3)
     opt.flush()
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     again = _Net().to(torch.bfloat16)
     again.load_state_dict(ck["model"])
-    opt2 = _engine(again, state, **plugin)
+    opt2 = make_engine(again, state_dtype=state, **plugin)
     opt2.sr_seed = 1  # the checkpoint's seed wins
     opt2.load_state_dict(ck["opt"])
     assert opt2.sr_seed == ms.SR_SEED
-    _train(again, opt2, 4, start=3)
+    train(again, opt2, 4, start=3)
     opt2.flush()
     for p, q in zip(model.parameters(), again.parameters()):
         assert torch.equal(p, q)
 
 
-def test_a_checkpoint_moves_between_master_dtypes():
+def test_a_checkpoint_moves_between_master_dtypes(make_engine, train):
     """fp32 master -> bf16 master rounds the master to nearest (the device value); bf16 ->
     fp32 takes the bf16 values exactly; torch's AdamW loads either."""
     model = _Net()
     opt = ZeroOffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD,
                                plugin=ZeroOffloadPlugin(compute_dtype="bf16", pin_memory=False))
-    _train(model, opt, 2)
+    train(model, opt, 2)
     sd = opt.state_dict()
     other = _Net().to(torch.bfloat16)
-    o16 = _engine(other)
+    o16 = make_engine(other)
     o16.load_state_dict(sd)
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(o16.host_views(q)["master"],
@@ -139,12 +132,12 @@ def test_a_checkpoint_moves_between_master_dtypes():
 
 
 @pytest.mark.parametrize("state,moment_bytes", [("int8", 2), ("int4", 1)])
-def test_host_bytes_per_param(state, moment_bytes):
+def test_host_bytes_per_param(state, moment_bytes, make_engine, train):
     """master 2 + moments + 16-bit gradient landing 2: about 6 with int8 moments, 5 with
     int4 (the issue's targets; block scales and per-param block padding on top)."""
     model = _Net()
-    opt = _engine(model, state, bucket_size_mb=32.0)
-    _train(model, opt, 1)
+    opt = make_engine(model, state_dtype=state, bucket_size_mb=32.0)
+    train(model, opt, 1)
     rep = opt.memory_report()
     n, host = rep["n_params"], rep["host"]
     assert rep["master_dtype"] == "bf16" and host["master"] >= 2 * n

@@ -23,26 +23,26 @@ from hf_zoffload.commands.main import main
 from hf_zoffload.offload import fraction as frac_mod
 from hf_zoffload.offload.fraction import SAFETY_MARGIN, FixedFraction, suffix
 from hf_zoffload.offload.memory import estimate, estimate_with_fraction
+from hf_zoffload.offload.tiers import Tier
 from hf_zoffload.ops.adam_kernels import adam_update
 from hf_zoffload.ops.device_adam import adam_update_device
 from tests._tiny import batches, decay_groups, tiny_gpt2
 from tests.offload import _dp_worker as w
 from tests.offload import _tp_worker as tpw
 from tests.offload.test_async_copier import _compare
-from tests.offload.test_engine import ATOL, LR, MAX_NORM, RTOL, _setup, _train
+from tests.offload.test_engine import ATOL, LR, MAX_NORM, RTOL, TRAIN_DEFAULTS, _cycle, _setup  # noqa: F401
 
 MB = 0.01  # ~5k elements a bucket: 7 buckets on the tiny GPT-2
 STEPS = 6
 
 
-def _engine(model, groups=None, **plugin):
-    plugin = {"compute_dtype": "fp32", "bucket_size_mb": MB, **plugin}
-    return ZeroOffloadOptimizer(model.parameters() if groups is None else groups, lr=LR,
-                                plugin=ZeroOffloadPlugin(**plugin), model=model)
+# make_engine's defaults here (tests/_fixtures.py); every engine holds the model it trains.
+# train's (TRAIN_DEFAULTS, imported) are test_engine's loop: its loss, accumulation and clip.
+ENGINE_DEFAULTS = dict(lr=LR, compute_dtype="fp32", bucket_size_mb=MB, model=True)
 
 
 def _on_device(opt):
-    return [b.layout.index for b in opt.buckets if b.updater.on_device]
+    return [b.layout.index for b in opt.buckets if b.tier is Tier.DEVICE]
 
 
 def _state(opt):
@@ -54,20 +54,20 @@ def _state(opt):
 def test_the_last_buckets_go_to_the_device_and_the_host_keeps_at_least_the_fraction():
     layouts = [type("L", (), {"index": i, "shard": n}) for i, n in enumerate([5, 3, 4, 4])]
     assert suffix(layouts, lambda n: n <= 8) == {2, 3}
-    assert FixedFraction(1).resident(layouts) == set()
-    assert FixedFraction(0).resident(layouts) == {0, 1, 2, 3}
-    assert FixedFraction(0.5).resident(layouts) == {2, 3}  # 8 of 16 on the device
-    assert FixedFraction(0.55).resident(layouts) == {3}  # 8 would leave 50% < 55% on host
+    assert FixedFraction(1).on_device(layouts) == set()
+    assert FixedFraction(0).on_device(layouts) == {0, 1, 2, 3}
+    assert FixedFraction(0.5).on_device(layouts) == {2, 3}  # 8 of 16 on the device
+    assert FixedFraction(0.55).on_device(layouts) == {3}  # 8 would leave 50% < 55% on host
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
-def test_fractions_match_adamw_with_accumulation_and_clipping(fraction):
+def test_fractions_match_adamw_with_accumulation_and_clipping(fraction, make_engine, train):
     ref = _setup("gpt2")
     ours = copy.deepcopy(ref)
     data = batches(7)
     ref_opt = torch.optim.AdamW(decay_groups(ref), lr=LR)
-    opt = _engine(ours, decay_groups(ours), offload_fraction=fraction)
+    opt = make_engine(decay_groups(ours), model=ours, offload_fraction=fraction)
     n = len(opt.buckets)
     assert n > 3
     dev = _on_device(opt)
@@ -78,8 +78,8 @@ def test_fractions_match_adamw_with_accumulation_and_clipping(fraction):
     def mk(o):
         return get_scheduler("cosine", o, num_warmup_steps=2, num_training_steps=STEPS)
 
-    ref_losses = _train(ref, ref_opt, mk(ref_opt), data, engine=False, steps=STEPS)
-    losses = _train(ours, opt, mk(opt), data, engine=True, steps=STEPS)
+    ref_losses = train(ref, ref_opt, STEPS, batch=_cycle(data), sched=mk(ref_opt))
+    losses = train(ours, opt, STEPS, batch=_cycle(data), sched=mk(opt))
     torch.testing.assert_close(losses, ref_losses, atol=ATOL, rtol=RTOL)
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q, p, atol=ATOL, rtol=RTOL, msg=name)
@@ -89,17 +89,17 @@ def test_fractions_match_adamw_with_accumulation_and_clipping(fraction):
 
 
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
-def test_first_step_each_param_is_bitwise_its_all_host_or_all_device_run(compute):
+def test_first_step_each_param_is_bitwise_its_all_host_or_all_device_run(compute, make_engine):
     """Same grads in at step 1 (2 micro-steps, clipped): a param of a device bucket must come
     out bitwise as in the all-device run, a host one as in the all-host run."""
     runs = {}
     for f in ("0", "0.5", "1"):
         model = tiny_gpt2()
-        opt = _engine(model, compute_dtype=compute, offload_fraction=f)
+        opt = make_engine(model, compute_dtype=compute, offload_fraction=f)
         for ids in batches(2):
             opt.backward(model(input_ids=ids, labels=ids).loss)
         opt.clip_grad_norm_(0.3)
-        where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+        where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
         opt.step()
         runs[f] = ([p.detach().clone() for p in model.parameters()],
                    [opt.host_views(p)["master"].clone() for p in model.parameters()],
@@ -117,30 +117,30 @@ def test_first_step_each_param_is_bitwise_its_all_host_or_all_device_run(compute
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
-def test_state_dtype_applies_to_the_host_buckets_only(state_dtype):
+def test_state_dtype_applies_to_the_host_buckets_only(state_dtype, make_engine):
     model = tiny_gpt2()
-    opt = _engine(model, compute_dtype="bf16", state_dtype=state_dtype, offload_fraction=0.5)
+    opt = make_engine(model, compute_dtype="bf16", state_dtype=state_dtype, offload_fraction=0.5)
     host_dtype = {"bf16": torch.bfloat16, "int8": torch.uint8}[state_dtype]
     for b in opt.buckets:
-        want = torch.float32 if b.updater.on_device else host_dtype
+        want = torch.float32 if b.tier is Tier.DEVICE else host_dtype
         assert b.state.exp_avg.dtype == want and b.state.exp_avg_sq.dtype == want
     ref = tiny_gpt2()
-    ref_opt = _engine(ref, compute_dtype="bf16", state_dtype=state_dtype)  # all host
+    ref_opt = make_engine(ref, compute_dtype="bf16", state_dtype=state_dtype)  # all host
     for ids in batches(1):
         for m, o in ((model, opt), (ref, ref_opt)):
             m(input_ids=ids, labels=ids).loss.backward()
             o.step()
-    where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+    where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
     for p, q in zip(model.parameters(), ref.parameters()):
         if not where[id(p)]:  # the host buckets ran the same compact kernel on the same grads
             assert torch.equal(p, q)
     for b in opt.buckets:  # still split after the re-layout, still compact on the host
-        assert b.state.exp_avg.dtype == (torch.float32 if b.updater.on_device else host_dtype)
+        assert b.state.exp_avg.dtype == (torch.float32 if b.tier is Tier.DEVICE else host_dtype)
 
 
-def test_fp16_overflow_leaves_device_and_host_state_untouched():
+def test_fp16_overflow_leaves_device_and_host_state_untouched(make_engine):
     model = tiny_gpt2()
-    opt = _engine(model, compute_dtype="fp16", init_scale=2.0**10, hysteresis=1,
+    opt = make_engine(model, compute_dtype="fp16", init_scale=2.0**10, hysteresis=1,
                   offload_fraction=0.5)
     assert _on_device(opt)
     ids = batches(1)[0]
@@ -186,7 +186,7 @@ class _SplitReference:
 
 
 def _placements(opt, model):
-    where = {id(s.param): b.updater.on_device for b in opt.buckets for s in b.layout.slots}
+    where = {id(s.param): b.tier is Tier.DEVICE for b in opt.buckets for s in b.layout.slots}
     return [where[id(p)] for p in model.parameters()]
 
 
@@ -238,9 +238,9 @@ def test_copies_are_ordered_with_device_buckets_through_async_copier():
 
 
 # -------------------------------------------------------------- checkpoints
-def _trained(fraction, steps=3, **plugin):
+def _trained(make_engine, fraction, steps=3, **plugin):
     model = tiny_gpt2()
-    opt = _engine(model, offload_fraction=fraction, **plugin)
+    opt = make_engine(model, offload_fraction=fraction, **plugin)
     for ids in batches(steps):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.clip_grad_norm_(MAX_NORM)
@@ -263,13 +263,13 @@ def _same_state(a, b):
             assert torch.equal(a["state"][i][k], b["state"][i][k]), (i, k)
 
 
-def test_checkpoints_move_between_fractions_and_to_adamw_and_back():
-    model, opt = _trained("0.5")
+def test_checkpoints_move_between_fractions_and_to_adamw_and_back(make_engine):
+    model, opt = _trained(make_engine, "0.5")
     sd = _save(opt.state_dict())
     for f in ("0", "1", "0.5"):
         m2 = tiny_gpt2()
         m2.load_state_dict(model.state_dict())
-        o2 = _engine(m2, offload_fraction=f)
+        o2 = make_engine(m2, offload_fraction=f)
         o2.load_state_dict(sd)
         _same_state(o2.state_dict(), sd)
         assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), model.parameters()))
@@ -277,7 +277,7 @@ def test_checkpoints_move_between_fractions_and_to_adamw_and_back():
     adamw = torch.optim.AdamW(adamw_model.parameters(), lr=LR)
     adamw.load_state_dict(sd)
     back_model = copy.deepcopy(model)
-    back = _engine(back_model, offload_fraction=0)
+    back = make_engine(back_model, offload_fraction=0)
     back.load_state_dict(_save(adamw.state_dict()))
     for i, st in adamw.state_dict()["state"].items():
         got = back.state_dict()["state"][i]
@@ -285,7 +285,7 @@ def test_checkpoints_move_between_fractions_and_to_adamw_and_back():
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
-def test_resume_continues_exactly(state_dtype):
+def test_resume_continues_exactly(state_dtype, make_engine):
     data = batches(6)
 
     def run(model, opt, steps):
@@ -298,7 +298,7 @@ def test_resume_continues_exactly(state_dtype):
 
     def make():
         model = tiny_gpt2()
-        return model, _engine(model, compute_dtype="bf16", state_dtype=state_dtype,
+        return model, make_engine(model, compute_dtype="bf16", state_dtype=state_dtype,
                               offload_fraction=0.5)
 
     full_model, full_opt = make()
@@ -318,8 +318,9 @@ def test_resume_continues_exactly(state_dtype):
 
 
 # ---------------------------------------------------------- memory figures
-def test_memory_report_splits_the_state_by_the_fraction():
-    reports = {f: _trained(f, steps=1)[1].memory_report() for f in ("0", "0.5", "1")}
+def test_memory_report_splits_the_state_by_the_fraction(make_engine):
+    opts = {f: _trained(make_engine, f, steps=1)[1] for f in ("0", "0.5", "1")}
+    reports = {f: opt.memory_report() for f, opt in opts.items()}
     host = {f: sum(r["host"][k] for k in ("master", "exp_avg", "exp_avg_sq"))
             for f, r in reports.items()}
     dev = {f: r["device"]["optimizer_state"] for f, r in reports.items()}
@@ -328,6 +329,12 @@ def test_memory_report_splits_the_state_by_the_fraction():
     assert 0.5 <= host["0.5"] / host["1"] < 0.75  # at least the fraction, about it
     assert reports["0"]["host"]["grad_staging"] == 0  # no landing buffer for device buckets
     assert reports["0"]["device"]["grad_resident"] > 0
+    n = sum(reports["1"]["buckets"].values())  # where each bucket's state is, counted
+    assert reports["1"]["buckets"] == {"host": n, "device": 0} and n == len(opts["1"].buckets)
+    assert reports["0"]["buckets"] == {"host": 0, "device": n}
+    assert reports["0.5"]["buckets"] == {"host": n - len(_on_device(opts["0.5"])),
+                                         "device": len(_on_device(opts["0.5"]))}
+    assert opts["0.5"].collective_bytes == {}  # one process: no collective
 
 
 # --------------------------------------------------------------------- auto
@@ -342,21 +349,22 @@ class _Meter:
         return self.peak, self.total
 
 
-def test_auto_on_the_cpu_keeps_everything_on_the_host_and_says_so(caplog):
+def test_auto_on_the_cpu_keeps_everything_on_the_host_and_says_so(caplog, make_engine):
     with caplog.at_level(logging.INFO, logger="hf_zoffload.offload.fraction"):
-        _, opt = _trained("auto", steps=2)
+        _, opt = _trained(make_engine, "auto", steps=2)
     assert _on_device(opt) == []
     lines = [r.getMessage() for r in caplog.records if "offload_fraction auto" in r.getMessage()]
     assert len(lines) == 1 and "no device memory to measure on cpu" in lines[0]
 
 
 @pytest.mark.parametrize("limit", [None, "1900KiB"])
-def test_auto_keeps_on_the_device_what_the_first_step_left_free(monkeypatch, caplog, limit):
+def test_auto_keeps_on_the_device_what_the_first_step_left_free(monkeypatch, caplog, limit,
+                                                               make_engine):
     total, peak = 2_000_000, 1_600_000  # 200,000 B free: 12,500 of the 29,600 elements
     monkeypatch.setattr(frac_mod, "DeviceMeter", lambda device: _Meter(peak, total))
     extra = {"device_memory_limit": limit} if limit else {}
     model = tiny_gpt2()
-    opt = _engine(model, offload_fraction="auto", **extra)
+    opt = make_engine(model, offload_fraction="auto", **extra)
     assert _on_device(opt) == []  # the first step runs with everything on the host
     data = batches(3)
     with caplog.at_level(logging.INFO, logger="hf_zoffload.offload.fraction"):
@@ -366,27 +374,27 @@ def test_auto_keeps_on_the_device_what_the_first_step_left_free(monkeypatch, cap
     have = 1900 * 1024 if limit else total
     budget = int(have * (1 - SAFETY_MARGIN)) - peak
     per = 12 + 4  # fp32 master and moments, fp32 grad buffer; no accumulation here
-    n_dev = sum(b.layout.shard for b in opt.buckets if b.updater.on_device)
+    n_dev = sum(b.layout.shard for b in opt.buckets if b.tier is Tier.DEVICE)
     if budget <= 0:
         assert n_dev == 0
     else:
         assert 0 < n_dev * per <= budget
-        nxt = [b for b in opt.buckets if not b.updater.on_device][-1]  # the next one out
+        nxt = [b for b in opt.buckets if b.tier is not Tier.DEVICE][-1]  # the next one out
         assert (n_dev + nxt.layout.shard) * per > budget
     lines = [r.getMessage() for r in caplog.records if "offload_fraction auto" in r.getMessage()]
     assert len(lines) == 1 and ("device_memory_limit" if limit else "device's total") in lines[0]
     assert opt.memory_report()["device"]["optimizer_state"] == 12 * n_dev
 
 
-def test_auto_decides_after_a_resume_too(monkeypatch):
+def test_auto_decides_after_a_resume_too(monkeypatch, make_engine):
     """A checkpoint loaded before the first step settles the bucket order; `auto` must still
     decide at the end of that step."""
     monkeypatch.setattr(frac_mod, "DeviceMeter", lambda device: _Meter(1_600_000, 2_000_000))
-    model, opt = _trained("1", steps=2)
+    model, opt = _trained(make_engine, "1", steps=2)
     sd = _save(opt.state_dict())
     m2 = tiny_gpt2()
     m2.load_state_dict(model.state_dict())
-    o2 = _engine(m2, offload_fraction="auto")
+    o2 = make_engine(m2, offload_fraction="auto")
     o2.load_state_dict(sd)
     assert _on_device(o2) == []
     ids = batches(1)[0]
@@ -507,11 +515,11 @@ def test_estimate_says_what_auto_would_pick(clean_env, capsys):
 
 
 # ------------------------------------------------------------- with other modes
-def test_a_bf16_master_keeps_fp32_state_in_the_device_buckets(torch_one_thread):
+def test_a_bf16_master_keeps_fp32_state_in_the_device_buckets(torch_one_thread, make_engine):
     # master_dtype applies to the host buckets only: a device bucket's state is fp32
     # (docs/design.md, "Device buckets"), so its update rounds to the bf16 param directly
     model = tiny_gpt2()  # every param trained (the engine leaves frozen ones in fp32)
-    opt = _engine(model, compute_dtype="bf16", master_dtype="bf16", offload_fraction="0.5")
+    opt = make_engine(model, compute_dtype="bf16", master_dtype="bf16", offload_fraction="0.5")
     dev = set(_on_device(opt))
     assert 0 < len(dev) < len(opt.buckets)
     for b in opt.buckets:

@@ -20,34 +20,30 @@ from tests._tiny import batches, tiny_gpt2
 LR = 1e-3
 
 
-def _engine(model, **plugin):
-    return ZeroOffloadOptimizer(model.parameters(), lr=LR, weight_decay=0.0,
-                                plugin=ZeroOffloadPlugin(**{"compute_dtype": "bf16", **plugin}))
+def _batch(i):
+    return batches(i + 1)[i]  # the i-th of the seeded draws, as batches(n)[i] for any n > i
 
 
-def _train(model, opt, steps, start=0):
-    data = batches(steps + start)
-    for ids in data[start:start + steps]:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+# make_engine's and train's defaults here (tests/_fixtures.py; train's loss: the LM's own)
+ENGINE_DEFAULTS = dict(lr=LR, weight_decay=0.0, compute_dtype="bf16")
+TRAIN_DEFAULTS = dict(batch=_batch)
 
 
 # ----------------------------------------------------------- moved or recast afterwards
-def test_recast_params_raise_at_the_first_hook():
+def test_recast_params_raise_at_the_first_hook(make_engine, train):
     model = tiny_gpt2()
-    opt = _engine(model)
-    _train(model, opt, 1)
+    opt = make_engine(model)
+    train(model, opt, 1)
     model.half()  # after the optimizer: the kernel would write bf16 bits into fp16 storage
     ids = batches(1)[0]
     with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
         model(input_ids=ids, labels=ids).loss.backward()
 
 
-def test_moved_params_raise_at_step_before_any_change():
+def test_moved_params_raise_at_step_before_any_change(make_engine, train):
     model = tiny_gpt2()
-    opt = _engine(model)
-    _train(model, opt, 1)
+    opt = make_engine(model)
+    train(model, opt, 1)
     masters = [b.state.master.clone() for b in opt.buckets]
     for p in model.parameters():  # the same Parameter on another device, as model.cuda()
         torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to("meta")))  # leaves it
@@ -59,7 +55,7 @@ def test_moved_params_raise_at_step_before_any_change():
 
 # ------------------------------------------------------------ weights loaded afterwards
 @pytest.mark.parametrize("delayed", [False, True])
-def test_weights_loaded_after_the_engine_become_the_masters(delayed):
+def test_weights_loaded_after_the_engine_become_the_masters(delayed, train):
     """lr = 0 and no decay: a step changes no master, so after loading W and stepping the
     params must be W; stale masters would bring the old weights back."""
     model = tiny_gpt2()
@@ -67,30 +63,30 @@ def test_weights_loaded_after_the_engine_become_the_masters(delayed):
                                plugin=ZeroOffloadPlugin(compute_dtype="bf16",
                                                         delayed_update=delayed,
                                                         delayed_update_warmup_steps=0))
-    _train(model, opt, 2)
+    train(model, opt, 2)
     other = tiny_gpt2(seed=5).to(torch.bfloat16).state_dict()
     if delayed:  # the pending update would overwrite them: refused with what to do
         model.load_state_dict(other)
         with pytest.raises(RuntimeError, match=r"Call optimizer.flush\(\) before loading"):
-            _train(model, opt, 1, start=2)
+            train(model, opt, 1, start=2)
         opt.zero_grad()
         opt.flush()
     model.load_state_dict(other)
-    _train(model, opt, 2, start=3)
+    train(model, opt, 2, start=3)
     opt.flush()
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), other[name]), name
         assert torch.equal(opt.host_views(p)["master"], other[name].float().reshape(-1)), name
 
 
-def test_loaded_weights_keep_training_from_there():
+def test_loaded_weights_keep_training_from_there(make_engine, train):
     model = tiny_gpt2()
-    opt = _engine(model)
-    _train(model, opt, 2)
+    opt = make_engine(model)
+    train(model, opt, 2)
     old = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     loaded = tiny_gpt2(seed=5).to(torch.bfloat16).state_dict()
     model.load_state_dict(loaded)
-    _train(model, opt, 1, start=2)
+    train(model, opt, 1, start=2)
     for n, p in model.named_parameters():  # one lr-sized step from W, far from the old weights
         if p.ndim < 2:  # biases and norms start equal in both models
             continue
@@ -190,7 +186,7 @@ def test_two_local_ranks_bind_disjoint_cores_in_real_processes():
         assert line.strip() == f"{mask} {len(mask)} {mask}", line
 
 
-def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch):
+def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch, make_engine):
     """torch's pool at one thread (what OMP_NUM_THREADS=1 gives): the fold of an
     accumulated micro-step, the step's host passes and the re-layout run on the engine's
     cpu_threads; the caller's count is back to one after each."""
@@ -211,7 +207,7 @@ def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch):
     torch.set_num_threads(1)
     try:
         model = tiny_gpt2()
-        opt = _engine(model, cpu_threads=3, bucket_size_mb=0.01)
+        opt = make_engine(model, cpu_threads=3, bucket_size_mb=0.01)
         for _ in range(2):
             ids = batches(1)[0]
             for _micro in range(2):
@@ -238,16 +234,16 @@ def test_host_work_thread_runs_on_its_threads(monkeypatch):
     assert seen == [3]
 
 
-def test_engine_exposes_and_logs_its_threads(monkeypatch, caplog):
+def test_engine_exposes_and_logs_its_threads(monkeypatch, caplog, make_engine):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     torch.set_num_threads(torch.get_num_threads())
     with caplog.at_level(logging.INFO, logger="hf_zoffload.offload.engine"):
-        opt = _engine(tiny_gpt2())
+        opt = make_engine(tiny_gpt2())
     assert opt.cpu_threads == 1
     assert any(r.levelno == logging.WARNING and "1 thread" in r.getMessage()
                for r in caplog.records)
-    assert _engine(tiny_gpt2(), cpu_threads=2).cpu_threads == 2
+    assert make_engine(tiny_gpt2(), cpu_threads=2).cpu_threads == 2
 
 
 # ------------------------------------------------------------ the delayed update's device
@@ -304,7 +300,7 @@ def test_every_cuda_event_is_made_blocking(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_host_waits_use_blocking_events(monkeypatch):
+def test_cuda_host_waits_use_blocking_events(monkeypatch, make_engine):
     made = []
     real = torch.cuda.Event
 
@@ -313,7 +309,7 @@ def test_cuda_host_waits_use_blocking_events(monkeypatch):
         return real(*args, **kwargs)
 
     model = tiny_gpt2().cuda()
-    opt = _engine(model)
+    opt = make_engine(model)
     monkeypatch.setattr(torch.cuda, "Event", recording)
     ids = batches(1)[0].cuda()
     model(input_ids=ids, labels=ids).loss.backward()
@@ -322,9 +318,9 @@ def test_cuda_host_waits_use_blocking_events(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_copy_times_come_from_events_a_step_later():
+def test_cuda_copy_times_come_from_events_a_step_later(make_engine):
     model = tiny_gpt2().cuda()
-    opt = _engine(model)
+    opt = make_engine(model)
     ids = batches(1)[0].cuda()
     for _ in range(3):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -336,10 +332,10 @@ def test_cuda_copy_times_come_from_events_a_step_later():
     assert opt.timings["upload_host"] >= 0 and opt.timings["grad_wait"] >= 0
 
 
-def test_cpu_timings_are_named_for_what_they_measure():
+def test_cpu_timings_are_named_for_what_they_measure(make_engine, train):
     model = tiny_gpt2()
-    opt = _engine(model)
-    _train(model, opt, 2)
+    opt = make_engine(model)
+    train(model, opt, 2)
     assert set(opt.timings) == {"fwd_bwd", "grad_wait", "cpu_adam", "upload_host"}
     assert opt.timings["cpu_adam"] > 0
 
@@ -372,7 +368,7 @@ def test_host_work_runs_off_the_caller_and_is_waited_per_key(monkeypatch):
         work.wait(7)
 
 
-def test_a_dropped_engine_is_freed_and_unhooks_its_params():
+def test_a_dropped_engine_is_freed_and_unhooks_its_params(make_engine, train):
     """The params hold their grad hooks in C++, out of sight of the cycle collector: the
     hooks reach the engine through a weak reference, so dropping it frees it (device
     params' host state, pinned pool, threads) and leaves plain torch behaviour."""
@@ -380,8 +376,8 @@ def test_a_dropped_engine_is_freed_and_unhooks_its_params():
     import weakref
 
     model = tiny_gpt2()
-    opt = _engine(model)
-    _train(model, opt, 1)
+    opt = make_engine(model)
+    train(model, opt, 1)
     ref = weakref.ref(opt)
     del opt
     gc.collect()

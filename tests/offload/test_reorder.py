@@ -11,18 +11,14 @@ import weakref
 import pytest
 import torch
 
-from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload import reorder as reorder_mod
 from tests._tiny import MODELS, batches, decay_groups
 
 LR = 3e-3
 
 
-def _engine(name, *, state="fp32", compute="fp32", bucket_mb=0.006, **plugin):
-    model = MODELS[name]()
-    opt = ZeroOffloadOptimizer(decay_groups(model), lr=LR, plugin=ZeroOffloadPlugin(
-        compute_dtype=compute, state_dtype=state, bucket_size_mb=bucket_mb, **plugin))
-    return model, opt
+# make_engine's defaults here (tests/_fixtures.py): fp32, buckets of ~1.5k elements
+ENGINE_DEFAULTS = dict(lr=LR, compute_dtype="fp32", bucket_size_mb=0.006)
 
 
 def _flushes(opt):
@@ -46,12 +42,13 @@ def _arrivals(model, opt, ids):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_after_the_first_step_buckets_complete_in_index_order(name):
+def test_after_the_first_step_buckets_complete_in_index_order(name, make_engine):
     """The optimizer's order with the Trainer's groups puts every layer's norms and biases
     in the first bucket (it completes last); Llama's registration order puts input norms
     one bucket late. From the second backward on, every bucket completes in index order."""
     ids = batches(1)[0]
-    model, opt = _engine(name)
+    model = MODELS[name]()
+    opt = make_engine(decay_groups(model))
     first = [s.index for s in reversed([s for b in opt.buckets for s in b.layout.slots])]
     assert opt.bucket_order != _arrivals(model, opt, ids)  # a wrong guess to start from
     flushed = _flushes(opt)
@@ -81,14 +78,15 @@ def _steps(model, opt, data):
 
 @pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
-def test_the_move_is_exact_in_every_state_dtype(state, compute):
+def test_the_move_is_exact_in_every_state_dtype(state, compute, make_engine):
     """A run that re-lays out after step 1 is bitwise a run built in the final order from
     the start (its order set before any step): params every step, and the host state per
     param (masters and the moments as stored: 8-bit codes and scales included)."""
     data = batches(4)
     runs, order = [], None
     for preset in (False, True):
-        model, opt = _engine("llama", state=state, compute=compute)
+        model = MODELS["llama"]()
+        opt = make_engine(decay_groups(model), state_dtype=state, compute_dtype=compute)
         if preset:
             opt.set_bucket_order(order)
             assert opt.relayout_seconds is not None  # moved here, before any step
@@ -122,17 +120,19 @@ def test_the_move_is_exact_in_every_state_dtype(state, compute):
 
 
 @pytest.mark.parametrize("state", ["fp32", "int8"])
-def test_checkpoints_carry_the_order_and_resume_bitwise(state):
+def test_checkpoints_carry_the_order_and_resume_bitwise(state, make_engine):
     """The saved run's buckets come back at load, before any backward, and the resumed run
     continues bitwise as the uninterrupted one (8-bit codes land in the same blocks)."""
     data = batches(5)
-    model, opt = _engine("llama", state=state, compute="bf16")
+    model = MODELS["llama"]()
+    opt = make_engine(decay_groups(model), state_dtype=state, compute_dtype="bf16")
     _steps(model, opt, data[:2])
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     rest = _steps(model, opt, data[2:])
 
-    model2, opt2 = _engine("llama", state=state, compute="bf16")
+    model2 = MODELS["llama"]()
+    opt2 = make_engine(decay_groups(model2), state_dtype=state, compute_dtype="bf16")
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     assert ckpt["opt"]["zero_offload"]["bucket_order"] == opt.bucket_order
@@ -146,9 +146,10 @@ def test_checkpoints_carry_the_order_and_resume_bitwise(state):
             assert torch.equal(a, b)
 
 
-def test_an_adamw_checkpoint_keeps_recording():
+def test_an_adamw_checkpoint_keeps_recording(make_engine):
     """A checkpoint without an order (torch's AdamW) leaves the first backward to decide."""
-    model, opt = _engine("llama")
+    model = MODELS["llama"]()
+    opt = make_engine(decay_groups(model))
     ref = torch.optim.AdamW(decay_groups(model), lr=LR)
     opt.load_state_dict(ref.state_dict())
     guess = opt.bucket_order
@@ -156,8 +157,9 @@ def test_an_adamw_checkpoint_keeps_recording():
     assert opt.bucket_order != guess
 
 
-def test_a_bad_saved_order_is_refused_before_any_change():
-    model, opt = _engine("gpt2")
+def test_a_bad_saved_order_is_refused_before_any_change(make_engine):
+    model = MODELS["gpt2"]()
+    opt = make_engine(decay_groups(model))
     _steps(model, opt, batches(1))
     sd = opt.state_dict()
     sd["zero_offload"]["bucket_order"] = "backwards"
@@ -167,9 +169,10 @@ def test_a_bad_saved_order_is_refused_before_any_change():
     assert opt.bucket_order == before
 
 
-def test_delayed_update_starts_after_the_relayout():
+def test_delayed_update_starts_after_the_relayout(make_engine):
     """The first step is synchronous while the buckets still move (warm-up 0 asked)."""
-    model, opt = _engine("gpt2", delayed_update=True, delayed_update_warmup_steps=0)
+    model = MODELS["gpt2"]()
+    opt = make_engine(decay_groups(model), delayed_update=True, delayed_update_warmup_steps=0)
     data = batches(3)
     model(input_ids=data[0], labels=data[0]).loss.backward()
     opt.step()
@@ -192,9 +195,10 @@ def test_arrival_order_keeps_the_first_backward_and_completes_it():
     assert a.order(fill) == [2, 4, 5, 3, 1, 0]
 
 
-def test_the_old_buckets_and_pool_are_freed():
+def test_the_old_buckets_and_pool_are_freed(make_engine):
     """Nothing keeps the old host buffers (pinned on a GPU machine) alive after the move."""
-    model, opt = _engine("llama", compute="bf16")
+    model = MODELS["llama"]()
+    opt = make_engine(decay_groups(model), compute_dtype="bf16")
     pool, state = weakref.ref(opt.host_pool), weakref.ref(opt.buckets[0].state)
     _steps(model, opt, batches(1))
     gc.collect()
@@ -202,12 +206,13 @@ def test_the_old_buckets_and_pool_are_freed():
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_the_old_pool_is_gone_before_the_new_one_is_allocated(monkeypatch, delayed):
+def test_the_old_pool_is_gone_before_the_new_one_is_allocated(monkeypatch, delayed, make_engine):
     """The re-layout frees the old landing buffers (2 B/param, pinned on CUDA) before it
     allocates the new pool: nothing, the step's own plan included, holds a view of them by
     then. Storage weak references, no gc.collect(): refcounts alone must free them."""
-    model, opt = _engine("llama", compute="bf16", delayed_update=delayed,
-                         delayed_update_warmup_steps=0)
+    model = MODELS["llama"]()
+    opt = make_engine(decay_groups(model), compute_dtype="bf16", delayed_update=delayed,
+                      delayed_update_warmup_steps=0)
     old = [weakref.ref(b.state.grads.grad16.untyped_storage()) for b in opt.buckets]
     alive_at_alloc = []
     real = reorder_mod.HostPool._block

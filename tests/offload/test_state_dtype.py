@@ -29,26 +29,22 @@ def _data(i):
     return torch.randn(8, 37, generator=torch.Generator().manual_seed(i))
 
 
-def _engine(model, state, **plugin):
-    return ZeroOffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD,
-                                plugin=ZeroOffloadPlugin(compute_dtype="fp32", state_dtype=state,
-                                                         bucket_size_mb=0.02, **plugin))
+def _loss(model, x, step):
+    return model(x.to(next(model.parameters()).dtype))
 
 
-def _train(model, opt, steps, start=0):
-    for i in range(start, start + steps):
-        model(_data(i).to(next(model.parameters()).dtype)).backward()
-        opt.step()
-        opt.zero_grad()
+# make_engine's and train's defaults here (tests/_fixtures.py)
+ENGINE_DEFAULTS = dict(lr=LR, weight_decay=WD, compute_dtype="fp32", bucket_size_mb=0.02)
+TRAIN_DEFAULTS = dict(batch=_data, loss=_loss)
 
 
 @pytest.mark.parametrize("state", ["bf16", "int8", "int4"])
-def test_engine_is_the_kernel_applied_param_by_param(state):
+def test_engine_is_the_kernel_applied_param_by_param(state, make_engine):
     """Buckets, shard offsets and block scales are plumbing: the engine's result must be
     bitwise the kernel's on each param on its own (with int8 / int4, every param starts a
     block)."""
     model, ref = _Net(), _Net()
-    opt = _engine(model, state)
+    opt = make_engine(model, state_dtype=state)
     assert len(opt.buckets) > 1
     fmt = mo.FORMATS[state]
     st = {}
@@ -78,45 +74,46 @@ def test_engine_is_the_kernel_applied_param_by_param(state):
 
 @pytest.mark.parametrize("state", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("delayed", [False, True])
-def test_checkpoint_holds_fp32_moments_and_resumes_exactly(state, delayed, tmp_path):
+def test_checkpoint_holds_fp32_moments_and_resumes_exactly(state, delayed, tmp_path, make_engine,
+                                                           train):
     plugin = dict(delayed_update=delayed, delayed_update_warmup_steps=1)
     model = _Net()
-    opt = _engine(model, state, **plugin)
-    _train(model, opt, 3)
+    opt = make_engine(model, state_dtype=state, **plugin)
+    train(model, opt, 3)
     sd = opt.state_dict()
     torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ck.pt")
     for s in sd["state"].values():
         assert s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32
         assert (s["exp_avg_sq"] >= 0).all() and s["exp_avg"].abs().sum() > 0
-    _train(model, opt, 4, start=3)
+    train(model, opt, 4, start=3)
     opt.flush()
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     again = _Net()
     again.load_state_dict(ck["model"])
-    opt2 = _engine(again, state, **plugin)
+    opt2 = make_engine(again, state_dtype=state, **plugin)
     opt2.load_state_dict(ck["opt"])
     assert opt2.state_dict()["state"].keys() == ck["opt"]["state"].keys()
     for a, b in zip(opt2.state_dict()["state"].values(), ck["opt"]["state"].values()):
         for key in ("exp_avg", "exp_avg_sq", "master"):  # encode(decode) gives the same
             assert torch.equal(a[key], b[key])
-    _train(again, opt2, 4, start=3)
+    train(again, opt2, 4, start=3)
     opt2.flush()
     for p, q in zip(model.parameters(), again.parameters()):
         assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("coded", ["int8", "int4"])
-def test_checkpoints_move_between_modes_and_torch_adamw(coded):
+def test_checkpoints_move_between_modes_and_torch_adamw(coded, make_engine, train):
     model = _Net()
-    opt = _engine(model, coded)
-    _train(model, opt, 3)
+    opt = make_engine(model, state_dtype=coded)
+    train(model, opt, 3)
     sd = opt.state_dict()
     adamw = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=LR, weight_decay=WD)
     adamw.load_state_dict(sd)  # torch takes it: per-param fp32 moments, its keys
     for mode in ("fp32", "bf16"):
         other = _Net()
         other.load_state_dict(model.state_dict())
-        o = _engine(other, mode)
+        o = make_engine(other, state_dtype=mode)
         o.load_state_dict(sd)
         for p, q in zip(model.parameters(), other.parameters()):
             got, want = o.host_views(q), opt.host_views(p)
@@ -130,12 +127,12 @@ def test_checkpoints_move_between_modes_and_torch_adamw(coded):
     # fp32 moments there are the decoded codes)
     back = _Net()
     back.load_state_dict(model.state_dict())
-    b8 = _engine(back, coded)
+    b8 = make_engine(back, state_dtype=coded)
     b8.load_state_dict(o.state_dict())
     for p, q in zip(model.parameters(), back.parameters()):
         assert torch.equal(b8.host_views(q)["exp_avg"], opt.host_views(p)["exp_avg"])
         assert torch.equal(b8.host_views(q)["exp_avg_sq"], opt.host_views(p)["exp_avg_sq"])
-    _train(back, b8, 1, start=3)
+    train(back, b8, 1, start=3)
 
 
 def _block_scales(opt, p):
@@ -146,12 +143,12 @@ def _block_scales(opt, p):
 
 @pytest.mark.parametrize("state,moment_bytes", [("fp32", 8), ("bf16", 4), ("int8", 2),
                                                 ("int4", 1)])
-def test_host_bytes_per_param(state, moment_bytes):
+def test_host_bytes_per_param(state, moment_bytes, train):
     """bf16 compute: master 4 + moments + 16-bit grads 2, and no param staging buffer."""
     model = _Net()
     opt = ZeroOffloadOptimizer(model.parameters(), plugin=ZeroOffloadPlugin(
         compute_dtype="bf16", state_dtype=state, pin_memory=False))
-    _train(model, opt, 1)
+    train(model, opt, 1)
     rep = opt.memory_report()
     n = rep["n_params"]
     host = rep["host"]
@@ -192,12 +189,12 @@ def test_each_state_dtype_is_one_format_object():
                        torch.stack(mo.decode_reference(*mo.encode_reference(m32, v32))))
 
 
-def test_int4_codes_of_an_odd_param_end_leave_the_gap_zero():
+def test_int4_codes_of_an_odd_param_end_leave_the_gap_zero(make_engine, train):
     """4-bit codes of a param with an odd element count share their last byte with the
     alignment gap: the gap's nibble stays 0, and every byte past the params is 0."""
     model = _Net()
-    opt = _engine(model, "int4")
-    _train(model, opt, 2)
+    opt = make_engine(model, state_dtype="int4")
+    train(model, opt, 2)
     for b in opt.buckets:
         st, used = b.state, torch.zeros(b.layout.shard, dtype=torch.bool)
         for s in b.layout.slots:

@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload.modes.tensor_parallel import TensorParallelExchange
+from hf_zoffload.offload.modes.mesh import MeshSpan
+from hf_zoffload.offload.modes.resolve import Kind
 from hf_zoffload.offload.support import check_model
 from tests.offload import _dp_worker as dpw
 from tests.offload import _tp_worker as w
@@ -231,7 +232,7 @@ def test_one_rank_tensor_parallel_is_bitwise_one_process():
         parallelize_module(model, mesh, w.PLAN)
         opt = ZeroOffloadOptimizer(w.decay_groups(model), lr=w.LR, plugin=ZeroOffloadPlugin(
             bucket_size_mb=0.004, compute_dtype="bf16"))
-        assert isinstance(opt.exchange, TensorParallelExchange)
+        assert opt.mode.kind is Kind.TENSOR_PARALLEL and isinstance(opt.exchange.span, MeshSpan)
         assert isinstance(model.up.weight, DTensor) and model.up.weight.dtype == torch.bfloat16
         assert model.up.weight.to_local().dtype == torch.bfloat16
         model.frozen.to(opt.dtype)

@@ -312,18 +312,150 @@ def test_unknown_variant_rejected():
 
 @pytest.mark.parametrize("n", [1, 7, 4097, 100_003])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_traffic_passes_touch_every_element_once(n, threads):
+@pytest.mark.parametrize("kind", sorted(ca._ext().TRAFFIC_KINDS))
+@pytest.mark.parametrize("offsets", [(0, 0, 0), (3, 3, 3), (1, 0, 5)])
+def test_traffic_passes_touch_every_element_once(n, threads, kind, offsets):
     """The benchmark's memory ceilings: each stream read and written once over the whole range,
-    with the kernel's split across threads."""
+    with the kernel's split across threads, every way of moving the bytes, the written streams
+    starting off a 32-byte line together or apart (the streaming stores' alignment)."""
     ext = ca._ext()
-    a, b, c, d = (torch.arange(n, dtype=torch.float32) + k for k in range(4))
-    ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads)
     base = torch.arange(n, dtype=torch.float32)
+    a, b, c = (torch.empty(n + 8)[o:o + n].copy_(base + k) for k, o in enumerate(offsets))
+    d = base + 3
+    ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads,
+                     ext.TRAFFIC_KINDS[kind])
     for t, k in ((a, 0), (b, 1), (c, 2)):
         assert torch.equal(t, base + k + (base + 3))
     assert torch.equal(d, base + 3)
+    with pytest.raises(ValueError, match="traffic kind"):
+        ext.traffic_pass(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, threads,
+                         len(ext.TRAFFIC_KINDS))
     p, g = torch.zeros(n), torch.full((n,), 5, dtype=torch.int16)
     mc, uc = torch.full((n,), 254, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     ext.traffic_pass_q8(p.data_ptr(), g.data_ptr(), mc.data_ptr(), uc.data_ptr(), n, threads)
     assert (p == 1).all() and (g == 6).all() and (mc == 255).all() and (uc == 1).all()
 
+
+# ------------------------------------------------------------------ adam_update_many
+def _llama_shapes(layers=3, h=40, inter=108, vocab=301):
+    """A Llama's param list in miniature (embed, per layer two norms, q k v o with grouped k v,
+    gate up down; final norm, head), odd sizes; an empty tensor among them."""
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (h, h), (h // 4, h), (h // 4, h), (h, h), (h,), (inter, h), (inter, h),
+                   (h, inter)]
+    return shapes + [(0,), (h,), (vocab, h)]
+
+
+def _many_case(seed=0):
+    """(params, grads, moments, steps, hypers): mixed grad dtypes, an AdamW and an Adam (L2)
+    hyper set, steps differing between tensors (a param whose grad was None some steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    adamw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                 adamw_mode=True, bias_correction=True)
+    adam = dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1,
+                adamw_mode=False, bias_correction=False)
+    ps, gs, ms, vs, steps, hypers = [], [], [], [], [], []
+    for i, shape in enumerate(_llama_shapes()):
+        n = torch.Size(shape).numel()
+        p, m, v = _state(n, seed=100 + i)
+        ps.append(p.view(shape))
+        ms.append(m.view(shape))
+        vs.append(v.view(shape))
+        gs.append(_grad(n, GRAD_DTYPES[i % 3][0], seed=200 + i).view(shape))
+        steps.append(1 + int(torch.randint(0, 5, (), generator=gen)))
+        hypers.append(adam if i % 4 == 1 else adamw)
+    return ps, gs, ms, vs, steps, hypers
+
+
+def _clones(ts):
+    return [t.clone() for t in ts]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_bitwise_equal_to_one_call_per_tensor(threads):
+    ps, gs, ms, vs, steps, hypers = _many_case()
+    assert sum(p.numel() for p in ps) > 16384 * 3  # every thread count runs in parallel
+    ref = [_clones(ps), _clones(ms), _clones(vs)]
+    for p, g, m, v, s, h in zip(*ref[:1], gs, *ref[1:], steps, hypers):
+        ca.adam_update(p.view(-1), g.view(-1), m.view(-1), v.view(-1), step=s, num_threads=1,
+                       **h)
+    ca.adam_update_many(ps, gs, ms, vs, steps=steps, hypers=hypers, num_threads=threads)
+    for ours, theirs in zip((ps, ms, vs), ref):
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_many_variants_bitwise_equal_to_generic(variant):
+    runs = []
+    for var in ("generic", variant):
+        ps, gs, ms, vs, steps, hypers = _many_case(seed=3)
+        bufs = ca.many_buffers(ps, gs, ms, vs)
+        ca.adam_update_many_unchecked(bufs, steps=steps, hypers=hypers, num_threads=2,
+                                      variant=var)
+        runs.append(ps + ms + vs)
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_many_matches_reference():
+    ps, gs, ms, vs, steps, hypers = _many_case(seed=4)
+    ref = [_clones(ps), _clones(ms), _clones(vs)]
+    ca.adam_update_many(ps, gs, ms, vs, steps=steps, hypers=hypers, num_threads=2)
+    for i, (g, s, h) in enumerate(zip(gs, steps, hypers)):
+        want = [t[i].view(-1) for t in ref]
+        ca.adam_update_reference(want[0], g.view(-1), want[1], want[2], step=s, **h)
+        if g.numel():
+            _assert_close([ps[i].view(-1), ms[i].view(-1), vs[i].view(-1)], want,
+                          lr_max=h["lr"], steps=1, atol=2e-6, rtol=1e-6,
+                          gmax=g.abs().max().item())
+
+
+def _many_raises(args, exc, text):
+    ps = args[0]
+    before = [t.clone() for t in ps]
+    with pytest.raises(exc, match=text):
+        ca.adam_update_many(*args[:4], steps=args[4], hypers=args[5], num_threads=2)
+    for a, b in zip(ps, before):
+        assert torch.equal(a, b)
+
+
+def test_many_rejects_overlap_before_any_work():
+    ps, gs, ms, vs, steps, hypers = _many_case()
+    flat = torch.zeros(100)
+    _many_raises(([flat[:60], flat[50:]], [torch.zeros(60), torch.zeros(50)],
+                  [torch.zeros(60), torch.zeros(50)], [torch.zeros(60), torch.zeros(50)],
+                  [1, 1], hypers[:2]), ValueError, "param of tensor 0 and param of tensor 1")
+    gs2 = list(gs)
+    gs2[5] = ms[7].view(-1)[: gs[5].numel()].view(gs[5].shape)  # a grad inside a moment
+    _many_raises((ps, gs2, ms, vs, steps, hypers), ValueError,
+                 "grad of tensor 5 and exp_avg of tensor 7 overlap")
+
+
+def test_many_grads_may_share_memory():
+    ps, gs, ms, vs, steps, hypers = _many_case()
+    flat = torch.randn(max(p.numel() for p in ps))  # every grad a view of one buffer
+    gs = [flat[: p.numel()].view(p.shape) for p in ps]
+    ref = [_clones(ps), _clones(ms), _clones(vs)]
+    ca.adam_update_many(ps, gs, ms, vs, steps=steps, hypers=hypers, num_threads=2)
+    for i, (g, s, h) in enumerate(zip(gs, steps, hypers)):
+        ca.adam_update(ref[0][i].view(-1), g.reshape(-1), ref[1][i].view(-1), ref[2][i].view(-1),
+                       step=s, **h)
+        assert torch.equal(ps[i], ref[0][i])
+
+
+@pytest.mark.parametrize("change, exc, text", [
+    (lambda c: c[1].__setitem__(2, c[1][2].double()), TypeError, "grad of tensor 2 must be"),
+    (lambda c: c[2].__setitem__(3, c[2][3][:-1]), ValueError, "exp_avg of tensor 3 has"),
+    (lambda c: c[0].__setitem__(1, c[0][1].t() if c[0][1].dim() == 2 else c[0][1][::2]),
+     ValueError, "param of tensor 1 must be a dense contiguous"),
+    (lambda c: c[4].__setitem__(0, 0), ValueError, "step of tensor 0"),
+    (lambda c: c[5].__setitem__(0, {**c[5][0], "lr": -1.0}), ValueError, "lr of tensor 0"),
+    (lambda c: c[5].__setitem__(0, {"lr": 1e-3}), ValueError, "hypers of tensor 0"),
+    (lambda c: c[4].pop(), ValueError, "steps has"),
+])
+def test_many_bad_input_raises_before_any_work(change, exc, text):
+    case = list(_many_case())
+    change(case)
+    _many_raises(case, exc, text)

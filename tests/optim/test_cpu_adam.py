@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from hf_zoffload.ops.adam_kernels import adam_update_reference
+from hf_zoffload.ops.adam_kernels import adam_update, adam_update_reference
 from hf_zoffload.optim.cpu_adam import CPUAdam
 
 SHAPES = [(1,), (7,), (22,), (4097,), (7, 3), (3, 5, 2)]
@@ -251,3 +251,74 @@ def test_changed_group_hyperparameter_raises_at_step():
     opt.param_groups[0]["lr"] = 1e-3
     opt.param_groups[0]["amsgrad"] = True
     _assert_step_raises_untouched(opt, params, ValueError, "amsgrad")
+
+
+def _llama_params(seed=0, layers=3, h=40, inter=108, vocab=301):
+    """A Llama's param list in miniature (embed, two norms and seven matrices a layer with
+    grouped k, v, final norm, head): odd sizes, many small tensors."""
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (h, h), (h // 4, h), (h // 4, h), (h, h), (h,), (inter, h), (inter, h),
+                   (h, inter)]
+    shapes += [(h,), (vocab, h)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_llama_shaped_list_bitwise_equal_to_one_kernel_call_per_param(threads):
+    """One parallel region over all params gives the bits of one adam_update per param, with
+    two groups (AdamW, Adam with L2), params skipped some steps (their step counts fall
+    behind) and any thread count."""
+    ours, ref = _llama_params(), _llama_params()
+    assert sum(p.numel() for p in ours) > 16384 * 3  # every thread count runs in parallel
+    groups = [{"params": ours[::2]}, {"params": ours[1::2], "lr": 3e-3, "weight_decay": 0.1,
+                                      "betas": (0.8, 0.99), "adamw_mode": False}]
+    opt = CPUAdam(groups, lr=1e-3, weight_decay=0.01)
+    hyper = [dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                  adamw_mode=True),
+             dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw_mode=False)]
+    state = {}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for s in range(1, 5):
+            _set_grads(ours, s)
+            _set_grads(ref, s)
+            for i in range(s % 3, len(ours), 7):  # skipped this step
+                ours[i].grad = ref[i].grad = None
+            opt.step()
+            for i, p in enumerate(ref):
+                if p.grad is None:
+                    continue
+                st = state.setdefault(i, [0, torch.zeros(p.numel()), torch.zeros(p.numel())])
+                st[0] += 1
+                adam_update(p.detach().view(-1), p.grad.view(-1), st[1], st[2], step=st[0],
+                            num_threads=1, **hyper[i % 2])
+    finally:
+        torch.set_num_threads(saved)
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))
+        assert opt.state[p]["step"].item() == state[i][0]
+        assert torch.equal(opt.state[p]["exp_avg"].view(-1), state[i][1])
+        assert torch.equal(opt.state[p]["exp_avg_sq"].view(-1), state[i][2])
+
+
+def test_llama_shaped_list_matches_torch():
+    ours, theirs = _llama_params(), _llama_params()
+    a = CPUAdam(ours, lr=1e-3, weight_decay=0.01)
+    b = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01)
+    _train(a, ours, 20)
+    _train(b, theirs, 20)
+    _close(ours, theirs, lr_max=1e-3, steps=20)
+
+
+def test_params_sharing_memory_raise_before_any_state():
+    flat = torch.zeros(30)
+    params = [torch.nn.Parameter(flat[:20]), torch.nn.Parameter(flat[10:])]
+    opt = CPUAdam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    _assert_step_raises_untouched(opt, params, ValueError,
+                                  "param of parameter 0 of param group 0 and param of "
+                                  "parameter 1 of param group 0 overlap")

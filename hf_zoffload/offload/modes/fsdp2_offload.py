@@ -8,14 +8,15 @@ gradient into the bucket's landing buffer (as with one process: the gradient is 
 reduced), the step's one all-reduce spans the shard ranks, and the CPU-Adam writes the new
 values in place into FSDP2's sharded host params, which FSDP2 brings up at the next forward.
 
-`Fsdp2Exchange` is the tensor-parallel exchange with FSDP2's shard ranks as its ranks (the
-shards are DTensor ``Shard(0)`` local tensors, so the norm, the checkpoints' whole tensors
-and a load's local part are the same protocol), plus what FSDP2 needs: after the engine gave
-each param its compute-dtype local tensor, FSDP2 re-reads it (as ``FSDPModule.to`` does), so
-that its sharded host param IS the engine's 16-bit copy and FSDP2 moves 16-bit both ways.
-`make_exchange` chooses it when ``model`` holds FSDP2 modules, and refuses, before anything
-changes, the FSDP2 layouts it cannot train. The protocol: docs/protocols/exchange_fsdp2.md; the
-measured facts behind it: docs/measurements.md, "Protocol figures".
+`Fsdp2Exchange` is the one-process exchange (the gradient is reduced already) holding the
+span of FSDP2's 1-D shard mesh (mesh.py: the shards are DTensor ``Shard(0)`` local tensors,
+so the norm, the checkpoints' whole tensors and a load's local part are tensor parallelism's
+protocol), plus what FSDP2 needs: after the engine gave each param its compute-dtype local
+tensor, FSDP2 re-reads it (as ``FSDPModule.to`` does), so that its sharded host param IS the
+engine's 16-bit copy and FSDP2 moves 16-bit both ways. resolve.py chooses it when ``model``
+holds FSDP2 modules, after `sharded_params` has refused, before anything changes, the FSDP2
+layouts it cannot train. The protocol: docs/protocols/exchange_fsdp2.md; the measured facts
+behind it: docs/measurements.md, "Protocol figures".
 
 FSDP2 keeps its per-param records (``FSDPParam``) in private attributes of its module state;
 they are read here only, in one place (`fsdp2_param_groups`), in both of torch's layouts: 2.11's
@@ -38,9 +39,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from .collectives import Collectives
 from .exchange import LocalExchange
-from .tensor_parallel import TensorParallelExchange
-from .tensor_parallel import make_exchange as make_tp_exchange
+from .mesh import MeshSpan
 
 
 def fsdp2_states(model: torch.nn.Module | None) -> list:
@@ -66,26 +67,27 @@ def fsdp2_params(states: list) -> dict:
             for fp in pg.fsdp_params}
 
 
-class Fsdp2Exchange(TensorParallelExchange):
+class Fsdp2Exchange(LocalExchange):
     """The exchange for FSDP2's sharded host params (``fsdp_params``: their ``FSDPParam``s)
     over ``mesh``, its 1-D shard mesh; the step's all-reduce runs on the mesh's device."""
 
-    def __init__(self, inner, *, mesh, fsdp_params: list):
-        super().__init__(inner, mesh=mesh, tp=mesh.size(), stats_group=mesh.get_group(),
-                         device=torch.device(mesh.device_type))
-        self.params_on_host = True  # FSDP2's sharded params are the host's 16-bit copy
+    params_on_host = True  # FSDP2's sharded params are the host's 16-bit copy
+
+    def __init__(self, copier, *, mesh, fsdp_params: list):
+        coll = Collectives(mesh.get_group(), device=torch.device(mesh.device_type))
+        super().__init__(copier, span=MeshSpan(mesh, tp=mesh.size(), coll=coll))
         self.fsdp_params = fsdp_params
         self._note_params()
 
     def _note_params(self) -> None:
         self._fsdp_param_of = {id(fp.sharded_param): fp for fp in self.fsdp_params}
 
-    def placed(self) -> None:
-        """FSDP2 re-reads each param's local tensor (`state.place` gave it a new one in the
-        compute dtype): its all-gather input, padded where the shard is short, which the
+    def params_recast(self) -> None:
+        """FSDP2 re-reads each param's local tensor (`state.state_from_params` gave it a new
+        one in the compute dtype): its all-gather input, padded where the shard is short, which the
         param's local tensor then views. FSDP2's lazy init, at the first forward, takes the
         new dtype as the param's own, so it moves 16-bit params up and 16-bit gradients
-        down (`make_exchange` refused an FSDP2 that had run a forward already)."""
+        down (`sharded_params` refused an FSDP2 that had run a forward already)."""
         with torch.no_grad():
             for fp in self.fsdp_params:
                 fp.reset_sharded_param()
@@ -126,19 +128,13 @@ def _why_not(states, found, slots, *, process_group, dtype) -> str | None:
     return None
 
 
-def make_exchange(process_group, *, slots, model, device, copier, dtype, engine_sync):
-    """The engine's exchange: an `Fsdp2Exchange` when ``model`` holds ``fully_shard``
-    modules, else `tensor_parallel.make_exchange`. Refuses an FSDP2 layout it cannot train
-    (no CPU offload, HSDP, a trainable param FSDP2 does not shard, a forward already run, a
-    MixedPrecisionPolicy param dtype other than the compute dtype) before anything changes."""
-    states = fsdp2_states(model)
-    if not states:
-        return make_tp_exchange(process_group, slots=slots, device=device, copier=copier,
-                                dtype=dtype, engine_sync=engine_sync)
+def sharded_params(states, slots, *, process_group, dtype) -> list:
+    """The ``FSDPParam`` of each of ``slots``' params (``states``: `fsdp2_states`). Refuses an
+    FSDP2 layout the engine cannot train (no CPU offload, HSDP, a trainable param FSDP2 does
+    not shard, a forward already run, a MixedPrecisionPolicy param dtype other than the
+    compute dtype) before anything changes."""
     found = fsdp2_params(states)
     why = _why_not(states, found, slots, process_group=process_group, dtype=dtype)
     if why:
         raise ValueError(f"ZeRO-Offload with FSDP2: {why}")
-    mesh = slots[0].param.device_mesh  # support.check_params: one mesh for every param
-    return Fsdp2Exchange(LocalExchange(copier), mesh=mesh,
-                         fsdp_params=[found[id(s.param)] for s in slots])
+    return [found[id(s.param)] for s in slots]

@@ -24,8 +24,8 @@ import torch
 
 from ..host import HostPool
 from ..state import Bucket
-from .collectives import Collectives, resolve_group, wants_sync
-from .exchange import Exchange, LocalExchange
+from .collectives import Collectives, wants_sync
+from .exchange import Exchange, Span
 
 
 @dataclass(eq=False)
@@ -58,6 +58,35 @@ class _Gather(NamedTuple):
     flat: torch.Tensor
 
 
+class GroupSpan(Span):
+    """The data-parallel group's span: every rank holds every param whole (its shard of the
+    state aside), so the step's numbers are one all-reduce over the group and a gathered
+    bucket is whole on the rank it was gathered to."""
+
+    spans_ranks = True
+
+    def __init__(self, coll: Collectives):
+        self.coll, self.rank = coll, coll.rank
+
+    @property
+    def sent(self) -> dict[str, int]:
+        return self.coll.sent
+
+    def share_stats(self, buckets, flag: float, sumsq: float, sharded: float):
+        """The step's one small collective: the overflow flag and the sum of squares over
+        all shards, and which params got a grad on any rank (those step, on every rank)."""
+        seen = [float(x) for b in buckets for x in b.window.present]
+        flag, sumsq, *seen = self.coll.all_reduce_sum(
+            [flag, sumsq + sharded, *seen], "all-reduce of the overflow flag and gradient norm")
+        it = iter(seen)
+        for b in buckets:
+            b.window.set_present([next(it) > 0 for _ in b.layout.slots])
+        return flag, sumsq
+
+    def keeps_gathered(self, to: int) -> bool:
+        return self.rank == to
+
+
 class PartitionedExchange(Exchange):
     """The exchange over a process group of N ranks.
 
@@ -68,10 +97,11 @@ class PartitionedExchange(Exchange):
     """
 
     def __init__(self, group, *, device: torch.device, copier, dtype: torch.dtype,
-                 engine_sync, pool: HostPool | None = None):
+                 engine_sync, pool: HostPool | None = None, span: Span | None = None):
         self.coll = Collectives(group, device=device)
         self.rank, self.world = self.coll.rank, self.coll.world
-        self.spans_ranks = True
+        # the group's own, or a mesh's over every rank (tensor parallelism: mesh.py)
+        self.span = GroupSpan(self.coll) if span is None else span
         self.copier = copier
         self.pool = pool  # the engine's; set by attach at the latest
         self.dtype = dtype
@@ -91,7 +121,11 @@ class PartitionedExchange(Exchange):
 
     @property
     def sent(self) -> dict[str, int]:
-        return self.coll.sent
+        out = dict(self.coll.sent)
+        if self.span.sent is not self.coll.sent:  # a mesh span's own collectives
+            for k, v in self.span.sent.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def attach(self, buckets: list[Bucket], check, pool: HostPool) -> None:
         self.buckets, self.check, self.pool = buckets, check, pool
@@ -131,7 +165,8 @@ class PartitionedExchange(Exchange):
 
     def open(self, b: Bucket) -> None:
         self._complete(b)  # this bucket's last reduction no longer reads its buffers
-        self.copier.wait_landed(b.layout.index)
+        t = self.copier.of(b)
+        t.wait_landed(b.layout.index)
         u, w = self._unreduced[b.layout.index], b.window
         if u.count:  # fold the unreduced micro-steps held on the host into their fp32 sum
             if u.acc is None:
@@ -139,17 +174,17 @@ class PartitionedExchange(Exchange):
                                       full=True)
             (u.acc.copy_ if u.count == 1 else u.acc.add_)(u.grad16)
         if self._sync and u.count:  # this backward's grads are added to the sum, in fp32
-            w.open(self.copier.to_device(b.layout.index, u.acc), adds_to_sum=True)
+            w.open(t.to_device(b.layout.index, u.acc), adds_to_sum=True)
             u.count = 0
         else:  # the whole (padded) bucket; on the CPU the unreduced host buffer itself
-            w.open(self.copier.device_buffer(b.layout.index, b.layout.padded, self.dtype,
-                                             lambda: self._host16(b), zero=True))
+            w.open(t.device_buffer(b.layout.index, b.layout.padded, self.dtype,
+                                   lambda: self._host16(b), zero=True))
 
     def flush(self, b: Bucket) -> None:
         buf = b.window.take_pending()
         u = self._unreduced[b.layout.index]
         if not self._sync:  # no collective: the full unreduced bucket goes to the host
-            self.copier.to_host(b.layout.index, self._host16(b), buf)
+            self.copier.of(b).to_host(b.layout.index, self._host16(b), buf)
             u.count += 1
             return
         g = b.state.grads
@@ -160,7 +195,7 @@ class PartitionedExchange(Exchange):
         else:
             landing = g.grad16
         self._complete(b)
-        b.add_last_to_sum(self.copier)  # an earlier reduced micro-step joins the fp32 sum
+        b.add_last_to_sum(self.copier.of(b))  # an earlier reduced micro-step joins the sum
         self._ready[b.layout.index] = _Reduction(b, None, buf, None, landing)
         while self._next in self._ready:  # launch in bucket order, whatever completed first
             self._launch(self._ready.pop(self._next))
@@ -170,8 +205,8 @@ class PartitionedExchange(Exchange):
 
     def _launch(self, r: _Reduction) -> None:
         idx = r.bucket.layout.index
-        r.out = self.copier.device_buffer(idx, r.landing.numel(), r.landing.dtype,
-                                          lambda: r.landing, zero=False)
+        r.out = self.copier.of(r.bucket).device_buffer(idx, r.landing.numel(), r.landing.dtype,
+                                                       lambda: r.landing, zero=False)
         r.work = self.coll.reduce_scatter_avg(r.out, r.inp, f"reduce-scatter of bucket {idx}")
         if self.defer:
             self._inflight.append(r)
@@ -182,10 +217,10 @@ class PartitionedExchange(Exchange):
         """Check the reduced shard and land it; on CUDA all of it queues on the side stream,
         so neither the host nor the rest of backward waits for the collective."""
         idx = r.bucket.layout.index
-        with self.coll.guard(f"reduce-scatter of bucket {idx}"), self.copier.side():
+        with self.coll.guard(f"reduce-scatter of bucket {idx}"), self.copier.streams.side():
             r.work.wait()  # CUDA: the side stream (not the host) waits for the collective
             self.check(r.out, r.bucket)
-        self.copier.to_host(idx, r.landing, r.out, r.inp)
+        self.copier.of(r.bucket).to_host(idx, r.landing, r.out, r.inp)
 
     def _complete(self, b: Bucket | None = None) -> None:
         """Finish the deferred reductions of bucket ``b`` (of all buckets when None)."""
@@ -227,17 +262,6 @@ class PartitionedExchange(Exchange):
             u.count = 0
         self._unsynced = False
 
-    def share_stats(self, flag: float, sumsq: float, sharded: float = 0.0):
-        """The step's one small collective: the overflow flag and the sum of squares over
-        all shards, and which params got a grad on any rank (those step, on every rank)."""
-        seen = [float(x) for b in self.buckets for x in b.window.present]
-        flag, sumsq, *seen = self.coll.all_reduce_sum(
-            [flag, sumsq + sharded, *seen], "all-reduce of the overflow flag and gradient norm")
-        it = iter(seen)
-        for b in self.buckets:
-            b.window.set_present([next(it) > 0 for _ in b.layout.slots])
-        return flag, sumsq
-
     def publish(self, b: Bucket, src: torch.Tensor | None) -> None:
         """Upload this rank's new shard into its slice of a transient flat device bucket,
         which an all-gather (in place) fills from every rank; `finish_publish` copies it out
@@ -246,14 +270,14 @@ class PartitionedExchange(Exchange):
         not a copy of the model): on CUDA finishing one only queues work on the side
         stream; with gloo it still overlaps the CPU-Adam of the next bucket."""
         lay = b.layout
-        flat = self.copier.side_buffer(lay.padded, self.dtype)
+        flat = self.copier.streams.side_buffer(lay.padded, self.dtype)
         own = flat[lay.start:lay.start + lay.shard]
         if src is None:  # the params hold this rank's new values already (written in place)
             own.zero_()
             lay.copy_from_params(own, lay.start)
         else:  # the whole shard, padding included
-            self.copier.to_flat(lay.index, own, src)
-        with self.copier.side():
+            self.copier.of(b).to_flat(lay.index, own, src)
+        with self.copier.streams.side():
             work = self.coll.all_gather(flat, own, f"all-gather of bucket {lay.index}")
         self._gathers.append(_Gather(b, work, flat))
         if len(self._gathers) > 2:
@@ -269,14 +293,15 @@ class PartitionedExchange(Exchange):
         collective, so the buffer is complete before the copies read it. Every slot is
         copied, also those that got no grad: each rank's shard holds their current values
         (`Bucket.fill_absent`), so those params get their own values back."""
-        with self.copier.side(), self.coll.guard("all-gather of the updated params"):
+        streams = self.copier.streams
+        with streams.side(), self.coll.guard("all-gather of the updated params"):
             for b, work, flat in gathers:
                 work.wait()
                 b.layout.copy_to_params(flat, 0)
-                self.copier.mark_ready(b.layout.index)
+                streams.mark_ready(b.layout.index)
 
     # ---------------------------------------------------------- checkpoints
-    def gather(self, b: Bucket, shards: list[torch.Tensor], *, to: int = 0):
+    def gather_shards(self, b: Bucket, shards: list[torch.Tensor], *, to: int):
         """Each of ``shards`` (this rank's fp32 host shards of the bucket) as the whole
         (padded) bucket on rank ``to``, CPU tensors; None on the other ranks. One bucket at
         a time, so the extra memory is 4 B x one bucket per shard (on the device with NCCL)."""
@@ -300,15 +325,3 @@ class PartitionedExchange(Exchange):
         self.coll.broadcast_from_first(t, "broadcast of the bucket order")
         return t.tolist()
 
-    def keeps_gathered(self, to: int) -> bool:
-        return self.rank == to
-
-
-def make_exchange(process_group, *, device, copier, dtype, engine_sync):
-    """The exchange for ``process_group`` (None: torch.distributed's world, if initialized
-    with more than one rank): `LocalExchange` for one process, else a partitioned one."""
-    group = resolve_group(process_group, device)
-    if group is None:
-        return LocalExchange(copier)
-    return PartitionedExchange(group, device=device, copier=copier, dtype=dtype,
-                               engine_sync=engine_sync)

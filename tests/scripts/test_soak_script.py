@@ -13,7 +13,7 @@ import torch
 from hf_zoffload.offload.engine import ZeroOffloadOptimizer
 from hf_zoffload.optim import loss_scaler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # 60 steps of a 1-layer, width-32 model on 2 x 16-token micro-batches: the loop takes ~1 s on
 # one thread. A burst starts at 10% of the steps (seed 0: 8 injected skips in 3 bursts), so
 # every check meets skipped steps; checkpoints and RSS reports scaled down 10x.

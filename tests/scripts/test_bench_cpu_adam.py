@@ -5,17 +5,19 @@ bench_kernel_loop.py builds its C driver and times every state."""
 
 import re
 import runpy
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_prints_every_row_with_its_bytes(capsys):
     bench = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_cpu_adam.py"))  # main() not run
-    argv = ["--sizes", "4K", "--threads", "1,2", "--repeats", "1", "--qblocks", "16,256"]
+    argv = ["--sizes", "4K", "--threads", "1,2", "--repeats", "1", "--qblocks", "16,256",
+            "--llama_div", "64"]
     threads = torch.get_num_threads()
     try:
         assert bench["main"](argv) == 0
@@ -23,6 +25,11 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         torch.set_num_threads(threads)  # main() sets it per row
     out, heading, second = capsys.readouterr().out.partition("bf16 master against fp32 master")
     assert heading
+    second, heading, third = second.partition("CPUAdam over TinyLlama-1.1B's param list")
+    assert heading
+    llama = re.findall(r"^\| 201 \| 0\.3M \| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", third,
+                       re.M)
+    assert [t for t, *_ in llama] == ["1", "2"] and all(float(x) > 0 for r in llama for x in r)
     assert "Rounds per block: 1, each timing every row once, the order rotating" in out
     header = next(line for line in out.splitlines() if line.startswith("| params |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
@@ -35,8 +42,14 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
     table = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
              if line.startswith("| 0.004M |")]
     assert all(len(r) == len(cols) for r in table)
+    ceiling = "ceiling (read 4, write 3): the fastest pass below, per round"
+    ways = [r for r in table if r[2].startswith("ceiling pass, ")]
+    assert sorted(r[2][len("ceiling pass, "):] for r in ways) == sorted(
+        ["plain", "unroll 4", "prefetch 512", "prefetch 2048", "streaming stores"] * 2)
+    for r in ways:  # the ceiling is the fastest pass of each round: no pass above it
+        assert float(r[7]) <= 1.0, r
     for r in table:  # each reference against itself, in the same round: exactly 1
-        if r[2] == "ceiling (read 4, write 3)":
+        if r[2] == ceiling:
             assert r[7] == "1.00"
         for col, ref in refs.items():
             if r[2] == ref:
@@ -45,7 +58,7 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
                       out, re.M)
     for threads in ("1", "2"):
         got = {name: float(nbytes) for t, name, nbytes in rows if t == threads}
-        assert list(got)[0] == "ceiling (read 4, write 3)"
+        assert list(got)[0] == ceiling
         assert list(got)[-1] == "int8 ceiling (read 8, write 8)"
         assert got["ours fp32 state, out over grads"] == 28
         assert got["ours bf16 state, out over grads"] == 20
@@ -73,3 +86,15 @@ def test_kernel_loop_builds_and_times_every_state():
     assert list(ns) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
                         for s in ("fp32", "bf16", "int8", "int4")]
     assert all(0 < v < 1e6 for v in ns.values()), ns
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="counting needs valgrind")
+def test_kernel_loop_counts_instructions_of_every_state():
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    counts = loop["instructions"](4096, 1)
+    assert list(counts) == [f"{m} master, {s} state" for m in ("fp32", "bf16")
+                            for s in ("fp32", "bf16", "int8", "int4")]
+    # the vector kernels: a few instructions per param, more where moments are coded
+    assert all(1 < v < 40 for v in counts.values()), counts
+    assert counts["fp32 master, fp32 state"] < counts["fp32 master, int8 state"], counts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 
 def _load(name, monkeypatch):
@@ -58,7 +58,7 @@ def test_offload_cpu_times_the_engine_step_and_the_kernel_in_rounds(monkeypatch,
     _spy(bench, seen)
     threads = torch.get_num_threads()
     try:  # one layer of width 64: 3.3M params, mostly the 50257-token embedding
-        bench["main"](["--device", "cpu", "--layers", "1", "--hidden", "64", "--repeats", "2",
+        bench["main"](["--layers", "1", "--hidden", "64", "--repeats", "2",
                        "--threads", "1"])
     finally:
         torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ import pytest
 
 from tests._env import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 # A module whose only gpu test is test_gpu_scale_tensors_refresh_without_sync; cheap to collect.
 GPU_TEST_FILE = "tests/optim/test_loss_scaler.py"
@@ -192,6 +192,7 @@ case "$*" in
   *bench/gpu_practicality.py*--json*) echo "summary: practicality figures";;
   *bench/gpu_peers.py*--wheels*--against*) echo "summary: peers figures";;
   *bench_scaling.py*) echo "## bench"; echo "| method | GB/s |"; echo "| ours | 3000 |";;
+  *bench_cpu_adam.py*"--sizes 2M "*"--threads 1,2 "*) echo "CPU: fake"; echo "| 2M | 1 | ours |";;
   *bench_cpu_adam.py*"--threads 1,"[0-9]*) echo "CPU: fake"; echo "| path | of ceiling |";;
   *) echo "unexpected: $*" >&2; exit 9;;
 esac
@@ -232,7 +233,8 @@ def test_gpu_check_stages_figures_and_at_most_five_files(tmp_path):
     # both builds' tests, each headed by the variants it ran (the portable copy's own tests)
     assert ("## kernel_tests\n\nnative build: variants here generic, native; auto runs native"
             "\nnative build: 298 passed in 6.00s\nportable build: variants here generic, "
-            "native; auto runs native\nportable build: 298 passed in 6.00s\n") in summary
+            "native; auto runs native\nportable build: 298 passed in 6.00s\n"
+            "| 2M | 1 | ours |\n") in summary  # the portable build's bench rows
     assert "## size\n\nsize figures, limit 34 s\n" in summary  # GPU_CHECK_STAGE_S
     assert "## practicality\n\npracticality figures\n" in summary
     assert "## peers\n\npeers figures\n" in summary

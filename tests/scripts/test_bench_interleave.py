@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts" / "bench")
+SCRIPTS = str(Path(__file__).resolve().parents[2] / "scripts" / "bench")
 sys.path.insert(0, SCRIPTS)
 try:
     import _interleave as il

@@ -18,7 +18,7 @@ import torch
 
 from tests._env import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 BENCH = str(SCRIPTS / "bench")
 sys.path.insert(0, BENCH)  # the measurement scripts import their siblings as a script does

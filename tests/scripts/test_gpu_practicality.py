@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 BENCH = str(SCRIPTS / "bench")
 sys.path.insert(0, BENCH)  # the measurement scripts import their siblings as a script does

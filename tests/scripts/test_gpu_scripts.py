@@ -1,7 +1,7 @@
 """The GPU measurement scripts (scripts/bench/gpu_size.py, gpu_practicality.py, gpu_peers.py)
 as scripts/gpu_check.sh runs them, checked where there is no GPU: each is a script that runs
 its main, has --help, and refuses to run without CUDA, saying so. (Their logic:
-tests/test_gpu_size.py and tests/test_gpu_practicality.py; the gpu checks themselves are
+tests/scripts/test_gpu_size.py and test_gpu_practicality.py; the gpu checks themselves are
 tests under tests/gpu/.)
 
 CUDA_VISIBLE_DEVICES="" hides any GPU from the subprocesses, so this holds on a GPU machine too.
@@ -18,7 +18,7 @@ import torch
 
 from tests._env import cpu_only_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))  # the measurement scripts import their siblings as a script does
 try:
