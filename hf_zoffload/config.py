@@ -86,6 +86,13 @@ class ZeroOffloadPlugin:
     delayed_update_warmup_steps: int = _knob(
         40, "optimizer steps taken without delay before the delayed update starts.", minimum=0
     )
+    overlap_step: bool = _knob(
+        False,
+        "start each bucket's CPU update during the backward that ends the step, as soon as "
+        "its gradient is on the host, and publish the new parameters once the step is "
+        "validated (exact: an fp16 overflow or a clipped norm undoes and redoes the early "
+        "updates). Needs fp32 state_dtype and master_dtype; not with delayed_update.",
+    )
     # The kernel takes the count as a C int (2**31 overflowed it at the first step, after the
     # host state was allocated); 2**15 is far above any host's hardware threads.
     cpu_threads: int = _knob(
@@ -201,6 +208,7 @@ class ZeroOffloadPlugin:
             raise ValueError(f"ZeRO-Offload settings 'init_scale' {self.init_scale!r} and "
                              f"'min_scale' {self.min_scale!r}: init_scale must be >= min_scale")
         self.check_master()
+        self.check_schedule()
         if self.device_memory_limit_bytes and self.offload_fraction != "auto":
             raise ValueError(
                 f"ZeRO-Offload setting 'device_memory_limit' {self.device_memory_limit!r} "
@@ -217,6 +225,21 @@ class ZeroOffloadPlugin:
                 f"ZeRO-Offload settings 'master_dtype': 'bf16' needs compute_dtype bf16 (the "
                 f"bf16 master is the device's param), got compute_dtype "
                 f"{self.compute_dtype!r}; allowed with it: master_dtype fp32")
+
+    def check_schedule(self) -> None:
+        """overlap_step: one schedule at a time, and the state its correction can invert
+        (an fp32 step undone from its gradient: offload/schedules/inverse.py)."""
+        if not self.overlap_step:
+            return
+        if self.delayed_update:
+            raise ValueError("ZeRO-Offload settings 'overlap_step' and 'delayed_update' are "
+                             "two step schedules; allowed: one of them")
+        compact = [f"{k} {getattr(self, k)!r}" for k in ("state_dtype", "master_dtype")
+                   if getattr(self, k) != "fp32"]
+        if compact:
+            raise ValueError(f"ZeRO-Offload setting 'overlap_step' with {', '.join(compact)}: "
+                             "its correction inverts an fp32 update; allowed with "
+                             "overlap_step: state_dtype fp32 and master_dtype fp32")
 
     @property
     def offload_fraction_value(self) -> float | None:

@@ -275,7 +275,8 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
                       "(fp32/compute)?")
     gpu_only = ", pinned buffers, kernels" if on_gpu else ""
     if _ask_field(f"Do you want to customize the advanced settings (buckets, threads{gpu_only}, "
-                  "the delayed update, clipping, the non-finite stop)? [yes/NO]: ", _yes,
+                  "the delayed or overlapped update, clipping, the non-finite stop)? [yes/NO]: ",
+                  _yes,
                   default=False):
         ask("bucket_size_mb", "Gradient bucket size in MiB (gradients are checked and copied "
             "to the host one bucket at a time)?")
@@ -284,6 +285,10 @@ def ask_offload(*, mixed_precision: str = "no", on_gpu: bool = False,
         if ask("delayed_update", "Use the delayed parameter update (the CPU step overlaps the "
                "next forward/backward, on parameters one step stale)?"):
             ask("delayed_update_warmup_steps", "How many optimizer steps without delay first?")
+        elif not fsdp2 and all(ask.answers.get(k, "fp32") == "fp32"
+                               for k in ("state_dtype", "master_dtype")):
+            ask("overlap_step", "Start each bucket's CPU update during the step's last "
+                "backward, as soon as its gradient is on the host (exact)?")
         ask("cpu_threads", "How many CPU threads for the CPU-Adam (0: this process's cores / "
                            "processes per node)?")
         ask("bind_cores", "With several processes on a node, bind each to its share of the "

@@ -48,6 +48,10 @@ def add_parser(subparsers):
                    help="default: the effective ZeRO-Offload config")
     p.add_argument("--delayed_update", action="store_true", default=None,
                    help="count the delayed update's second gradient staging buffer")
+    p.add_argument("--overlap_step", action="store_true", default=None,
+                   help="count the overlapped step's second gradient staging buffer (the "
+                        "gradients kept for a correction while the early updates' new "
+                        "params wait)")
     p.add_argument("--state_dtype", default=None, choices=STATE_DTYPES,
                    help="how the Adam moments are stored on the host (default: the effective "
                         "ZeRO-Offload config); the host verdict is printed for every mode")
@@ -139,9 +143,9 @@ def _fit(need: int, have: int | None) -> dict | None:
 
 # The settings the figures depend on, shown with where each came from.
 SHOWN_SETTINGS = ("state_dtype", "master_dtype", "compute_dtype", "bucket_size_mb",
-                  "delayed_update", "pin_memory", "offload_fraction")
-FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "state_dtype", "master_dtype",
-         "offload_fraction")
+                  "delayed_update", "overlap_step", "pin_memory", "offload_fraction")
+FLAGS = ("compute_dtype", "bucket_size_mb", "delayed_update", "overlap_step", "state_dtype",
+         "master_dtype", "offload_fraction")
 
 
 def effective_plugin(args, environ=None):
@@ -230,6 +234,7 @@ def compute(args) -> dict:
             return fsdp2_for(state_dtype, n, master_dtype)
         return estimate(n, world_size=args.num_gpus // tp, pinned=plugin.pin_memory,
                         state_dtype=state_dtype, master_dtype=master_dtype,
+                        overlap_step=plugin.overlap_step,
                         offload_fraction=1.0 if fraction is None else fraction, **common)
 
     picked = None

@@ -36,17 +36,17 @@ from ..ops.scaling import kernel_backend, unscale_check_, unscale_check_host_
 from ..optim.loss_scaler import DynamicLossScaler
 from .build import build, frozen_numel
 from .checkpoint import load_master_state_dict, load_state_dict, master_state_dict, state_dict
-from .delayed import DelayedUpdate
 from .hooks import queue_at_backward_end, register_grad_hooks, register_module_waits
 from .host import HostPool
 from .memory import EngineFacts, engine_report
+from .modes.collectives import accelerate_sync, wants_sync
 from .params import ParamWatch, check_unmoved
 from .progress import Progress
 from .reorder import relayout
+from .schedules import make_schedule
 from .state import Bucket, GradSlot
 from .support import check_clip_args, local_grad
 from .threads import host_threads
-from .update import Work, plan, run
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     new params are copied to the device at the next ``step()``. So the forward/backward of
     step i+1 runs on the params of step i-1: each gradient is applied one step late.
     ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` first finish a pending update.
+
+    Overlapped step (``plugin.overlap_step``): during the backward that ends the window,
+    each host bucket's CPU-Adam starts as soon as its gradient is on the host; ``step()``
+    validates it (the same plan: no clipping, no fp16 overflow, the same hyperparameters),
+    undoes and redoes what it must, and publishes the params. Bitwise the synchronous step
+    where speculation holds, else within the bound of docs/protocols/step.md. A loop that
+    accumulates tells the engine which micro-step is the last (``no_sync()`` for the
+    others, or accelerate's ``accumulate()``).
 
     Device buckets (``plugin.offload_fraction`` below 1, or ``auto``): the buckets of the
     first layers in forward order keep fp32 master weights and moments on the params' device
@@ -140,6 +148,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)  # rejects a param listed in two groups
         self.plugin = plugin
+        plugin.check_schedule()  # one schedule, fp32 state for overlap_step: before any work
         self.sync_gradients: bool | None = None  # None: follow accelerate, else True
         # Every part, in its one valid order (build.py).
         parts = build(self.param_groups, plugin, process_group=process_group,
@@ -176,8 +185,12 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._sumsq_part = (self._sumsq[0:1], self._sumsq[1:2])
         self.phase = Phase.IDLE
         self._stats: tuple[bool, float] | None = None  # (overflow, norm) once FINALIZED
-        self._delayed = DelayedUpdate()
-        self._uploads_pending: list = []  # (bucket, out) of a delayed update, to upload
+        # When each bucket is planned, updated and published (schedules/): chosen once.
+        self.schedule = make_schedule(plugin, params_on_host=self.exchange.params_on_host,
+                                      cpu_threads=self.cpu_threads)
+        # The max_norm the last step clipped to: what an overlapped update speculates under.
+        self._clip_hint = plugin.max_grad_norm
+        self._checked: list[Bucket] = []  # buckets checked by the exchange, not yet told
         self._consolidated = None
         self.grad_norm, self.last_step_skipped, self.skipped_steps = None, False, 0
         # Seconds of the last step, each named for what it measures (docs/design.md,
@@ -204,8 +217,41 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- public facts
     @property
     def update_in_flight(self) -> bool:
-        """A delayed update is running, or its params are not on the device yet."""
-        return self._delayed.running or bool(self._uploads_pending)
+        """An update of the schedule is running, or its params are not on the device yet
+        (the delayed update; an overlapped one before its step)."""
+        return self.schedule.in_flight
+
+    @property
+    def order_settled(self) -> bool:
+        """The buckets follow the first backward's order (reorder.py)."""
+        return self.order.settled
+
+    def speculation(self) -> tuple[float | None, float]:
+        """What an overlapped update assumes (`schedules.Steps.speculation`)."""
+        if not self.loss_scaler.is_enabled() and self._clip_hint == 0:
+            return None, self._inv_scale()
+        return self._clip_hint, self._inv_scale()
+
+    def settle_step(self, overflow: bool, norm: float) -> float | None:
+        """The loss scale updated from ``overflow``; the step's grad_scale, or None when
+        the step is skipped (`schedules.Steps.settle_step`)."""
+        if self.loss_scaler.is_enabled():
+            self.loss_scaler.update_scale(overflow)
+        self.last_step_skipped = bool(overflow and self.loss_scaler.is_enabled())
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            return None
+        # An explicit clip_grad_norm_ follows torch (0 zeroes the update); the plugin's
+        # max_grad_norm uses 0 for "off".
+        max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
+        coef = min(1.0, max_norm / (norm + 1e-6)) \
+            if self._clip is not None or max_norm > 0 else 1.0
+        self.applied_steps += 1
+        return self._inv_scale() * coef
+
+    def params_written(self) -> None:
+        """The params got new values from the host (`schedules.Steps.params_written`)."""
+        self._watch.note_written()
 
     def host_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """1-D views of the host state of ``param``'s elements this rank holds (all of them
@@ -232,6 +278,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
                                    "clip only once the gradients of this step are complete")
             check_unmoved(self.buckets, self.device, self.dtype)
             self.phase = Phase.BACKWARD
+            self.schedule.begin_backward(
+                self, final=wants_sync(self.sync_gradients),
+                explicit=self.sync_gradients is not None or accelerate_sync() is not None)
             self.exchange.begin_backward()
             # Buckets with a param that got no grad never complete: flush them at the end
             # of the outermost backward (hooks.py: reentrant checkpointing nests backwards).
@@ -244,11 +293,20 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         p.grad = None  # the device keeps no full gradient copy
         if w.arrive(i):
             self.exchange.flush(b)
+            self._tell_landed()
 
     def _check(self, buf, b: Bucket) -> None:
         inv = self.loss_scaler.inv_scale_tensor(self.device) if self.loss_scaler.is_enabled() \
             else self._ones
         self._check_kernel(buf, inv, self._found_inf, self._sumsq_part[b.layout.sharded])
+        self._checked.append(b)  # its copy to the host follows in the same exchange call
+
+    def _tell_landed(self) -> None:
+        # After an exchange call has returned: each bucket it checked has its host copy
+        # queued (with gloo, a reduction may finish inside a later call).
+        checked, self._checked = self._checked, []
+        for b in checked:
+            self.schedule.landed(self, b)
 
     def _end_backward(self) -> None:
         ended = self.phase is Phase.BACKWARD
@@ -259,6 +317,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             if b.window.pending is not None:
                 self.exchange.flush(b)
         self.exchange.end_backward(ended)
+        self._tell_landed()
+        if ended:
+            self.schedule.end_backward(self)
 
     # ------------------------------------------------------------------ step
     def _finalize(self) -> tuple[bool, float]:
@@ -268,6 +329,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._end_backward()
         t0 = time.perf_counter()
         self.exchange.end_window()
+        self._tell_landed()  # reductions that finished only now (gloo) still go early
+        self.schedule.end_window(self)  # nothing of the schedule reads the grads from here
         live = [b for b in self.buckets if b.window.landed]
         for b in live:
             self.copier.of(b).wait_landed(b.layout.index)
@@ -275,7 +338,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         accumulated = any(b.window.landed > 1 for b in live)
         self.accumulates = self.accumulates or accumulated
         for b in live:
-            if b.window.landed > 1:
+            if b.window.landed > 1 and not self.schedule.took_sum(b):
                 b.state.grads.acc.add_(b.window.last)
         flag, *sums = torch.cat([self._found_inf, self._sumsq]).tolist()  # one read
         if accumulated:  # the device norm summed micro-steps' squares: recompute on the host
@@ -325,23 +388,15 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         overflow, norm = self._finalize()
         self.grad_norm = norm
         self._consolidated = None  # a consolidated state_dict is stale from here
-        # Not before the buckets follow the first backward's order (re-laid out below).
-        delayed = self.plugin.delayed_update and self.order.settled and \
-            self.applied_steps >= self.plugin.delayed_update_warmup_steps
-        self._drain()  # a pending delayed update lands before anything else
-        if self.loss_scaler.is_enabled():
-            self.loss_scaler.update_scale(overflow)
-        self.last_step_skipped = bool(overflow and self.loss_scaler.is_enabled())
-        if self.last_step_skipped:
-            self.skipped_steps += 1
-        else:
-            self._apply(norm, delayed=delayed)
+        self.schedule.step(self, overflow=overflow, norm=norm)  # settle_step, the update
+        self.timings.update(self.schedule.stats())
+        self._clip_hint = self._clip if self._clip is not None else self.plugin.max_grad_norm
         self._reset_window()
         first, self._stepped = not self._stepped, True
         if first:  # `auto` decides from this step's peak (also when a checkpoint set the order)
             self.tiering.first_step_done(self)
         if not self.order.settled or first:  # on every rank alike
-            # After _apply has returned: its plan held views of every landing buffer, and
+            # After the step has returned: its plan held views of every landing buffer, and
             # the old pool (2 B/param, pinned on CUDA) must be gone before the new one is made.
             self.set_bucket_order(self.order.fill if self.order.settled
                                   else self.order.arrived())
@@ -349,31 +404,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.tiering.relaid([b.layout for b in self.buckets])
         self._t_step_end = time.perf_counter()
 
-    def _apply(self, norm: float, *, delayed: bool) -> None:
-        """Plan and run (or start, ``delayed``) the CPU-Adam over this window's grads."""
-        # An explicit clip_grad_norm_ follows torch (0 zeroes the update); the plugin's
-        # max_grad_norm uses 0 for "off".
-        max_norm = self._clip if self._clip is not None else self.plugin.max_grad_norm
-        coef = min(1.0, max_norm / (norm + 1e-6)) \
-            if self._clip is not None or max_norm > 0 else 1.0
-        work = plan(self.buckets, self.param_groups, self.param_steps,
-                    self._inv_scale() * coef,
-                    in_place=self.copier.streams.updates_in_place(delayed))
-        self.applied_steps += 1
-        if delayed:
-            self._start_delayed(work)
-        else:
-            self._run(work, upload=True)
-            self._watch.note_written()
-
-    def _run(self, work: list[Work], *, upload: bool) -> None:
-        self.timings["cpu_adam"], t_publish = run(
-            work, copier=self.copier, threads=self.cpu_threads,
-            publish=self.exchange.publish if upload else None, sr_seed=self.sr_seed)
-        if upload:
-            self.timings["upload_host"] = t_publish + self._finish_publish()
-
-    def _finish_publish(self) -> float:
+    def finish_publish(self) -> float:
         """The last uploads are queued and the next forward will wait for them (each
         module for its own, with ``model=``); returns the host seconds that took."""
         t0 = time.perf_counter()
@@ -382,26 +413,9 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.copier.streams.finish_uploads()
         return time.perf_counter() - t0
 
-    def _start_delayed(self, work: list[Work]) -> None:
-        # The background update reads this step's grads while the next backward streams
-        # new ones: the hooks get the other set of grad buffers.
-        for item in work:
-            item.bucket.state.swap_grads(self.host_pool, item.bucket.layout.index)
-        self._delayed.start(lambda: self._run(work, upload=False), device=self.device)
-        self._uploads_pending = [(item.bucket, item.out) for item in work]
-
     def _drain(self) -> None:
-        """Finish a pending delayed update and copy its params to the device."""
-        if self._delayed.running:
-            self._delayed.wait()
-            self.timings["cpu_adam_wait"] = self._delayed.waited
-        if self._uploads_pending:
-            pending, self._uploads_pending = self._uploads_pending, []
-            t0 = time.perf_counter()
-            for b, out in pending:
-                self.exchange.publish(b, out)
-            self.timings["upload_host"] = time.perf_counter() - t0 + self._finish_publish()
-            self._watch.note_written()
+        """Nothing of the schedule runs or is pending (a delayed update lands)."""
+        self.schedule.settle(self)
 
     def _reset_window(self) -> None:
         for b in self.buckets:
@@ -411,6 +425,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         self._sumsq.zero_()
         self.phase, self._stats, self._clip = Phase.IDLE, None, None
         self._window_scale = self.loss_scaler.loss_scale
+        self._checked = []
+        self.schedule.reset_window()
 
     def flush(self) -> None:
         """Finish a pending delayed update and copy its params to the device. The
@@ -427,6 +443,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         running (loops call this right after ``step()``)."""
         self._check_open()
         self.exchange.complete()
+        self.schedule.discard(self)  # what was updated from the dropped window is undone
         for b in self.buckets:
             self.copier.of(b).wait_landed(b.layout.index)
             for s in b.layout.slots:
@@ -567,8 +584,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         the same params would get every gradient after the first had taken it."""
         if self.closed:
             return
-        self._delayed.wait()
-        self._uploads_pending = []
+        self.schedule.close()
         self.exchange.complete()
         for b in self.buckets:
             self.copier.of(b).wait_landed(b.layout.index)
@@ -590,7 +606,8 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         return engine_report(EngineFacts(
             tuple(self.buckets), self.host_pool, self.frozen, self.n_frozen, self.dtype,
             self.device, self.exchange.world, self.exchange.params_on_host, p.state_dtype,
-            p.master_dtype, p.delayed_update, p.offload_fraction_value), accumulates=accumulates)
+            p.master_dtype, p.delayed_update, p.offload_fraction_value, p.overlap_step),
+            accumulates=accumulates)
 
     @property
     def collective_bytes(self) -> dict[str, int]:

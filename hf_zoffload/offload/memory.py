@@ -43,6 +43,7 @@ def estimate(
     pinned: bool = False,
     state_dtype: str = "fp32",
     master_dtype: str = "fp32",
+    overlap_step: bool = False,
 ) -> dict:
     """Bytes of model states with ZeRO-Offload for ``n_params`` trainable parameters.
 
@@ -51,7 +52,8 @@ def estimate(
     B/param) and both moments (``state_dtype``: fp32 8, bf16 4, int8 about 2, int4 about 1
     B/param) for this rank's ``1/world_size`` shard, the 16-bit gradient buffer (which the
     update's new params overwrite on their way back), a second gradient buffer for the delayed
-    update, and with ``grad_accumulation`` the buffers of micro-step accumulation
+    update or for ``overlap_step`` (where the early updates write their new params, so the
+    gradients stay for a correction), and with ``grad_accumulation`` the buffers of micro-step accumulation
     (`accumulation_needed`: with one process an fp32 sum per grad set, with N ranks whole
     unreduced buckets as well). ``pinned``: the gradient buffers are page-locked, held as the
     engine's pool holds them (host.py: power-of-two blocks of whole buckets), with buckets of
@@ -87,7 +89,7 @@ def estimate(
         "master": master.bytes_per_element() * shard,
         "exp_avg": moment,
         "exp_avg_sq": moment,
-        "grad_staging": staged(w) * (2 if delayed_update else 1),
+        "grad_staging": staged(w) * (2 if delayed_update or overlap_step else 1),
         "grad_accumulation": 0,
     }
     if grad_accumulation and n_params:
@@ -318,6 +320,7 @@ class EngineFacts(NamedTuple):
     master_dtype: str
     delayed_update: bool
     offload_fraction_asked: float | None  # the share the user asked for, if any
+    overlap_step: bool = False  # the overlapped schedule's second set of landing buffers
 
 
 def engine_report(f: EngineFacts, *, accumulates: bool = False) -> dict:
@@ -343,6 +346,8 @@ def engine_report(f: EngineFacts, *, accumulates: bool = False) -> dict:
         for kind, n in b.state.nbytes().items():
             host[kind] += n
     held = f.pool.held()
+    if f.overlap_step and ("grad16", 0) in held:  # its second set, from the first early
+        held.setdefault(("grad16", 1), held[("grad16", 0)])  # update on: counted ahead
     coming = _accumulation_coming(f) if accumulates else {}
     for kind, n in coming.items():
         if kind[0] == "acc":
@@ -438,7 +443,8 @@ def device_state_bytes(f: EngineFacts) -> dict[str, int]:
 
 
 def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
-                pinned: bool, master_dtype: str = "fp32") -> dict[str, int]:
+                pinned: bool, master_dtype: str = "fp32",
+                overlap_step: bool = False) -> dict[str, int]:
     """Host bytes the engine allocates for ``layouts`` (this rank's shards) when it is built
     and at its first step, by kind: the same arithmetic as `engine_report`, before anything
     is allocated. Buffers made only for gradient accumulation come later and are not
@@ -451,7 +457,7 @@ def host_needed(layouts, *, param_dtype, state_dtype: str, delayed_update: bool,
     w = param_dtype.itemsize
     grads = sum(cap for cap, _ in plan_blocks([s * w for s in shards], pinned=pinned))
     return {"master": master_format(master_dtype).bytes_per_element() * n, "moments": moments,
-            "grad_staging": grads * (2 if delayed_update else 1)}
+            "grad_staging": grads * (2 if delayed_update or overlap_step else 1)}
 
 
 def _read(path: str) -> str | None:
@@ -501,6 +507,7 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     def need(state_dtype):
         return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
                            delayed_update=plugin.delayed_update, pinned=pinned,
+                           overlap_step=plugin.overlap_step,
                            master_dtype=plugin.master_dtype)
 
     needed = need(plugin.state_dtype)

@@ -1,8 +1,12 @@
-"""The host update of one step: plan the CPU-Adam calls, then run them bucket by bucket.
+"""The host update of one bucket: plan its CPU-Adam calls, commit the step counts, run them.
 
-Planning reads the hyperparameters and advances every param's Adam step count on the
-caller's thread, at ``step()``; running may happen on the delayed update's thread, so it
-reads nothing that the next step could change (the plan holds its own copy).
+A step schedule (schedules/) plans each bucket when it decides to update it: at ``step()``
+(the synchronous and delayed schedules), or as soon as the bucket's gradient has landed
+(the overlapped one, during backward). Planning reads the hyperparameters and the params'
+Adam step counts and changes nothing: `commit` advances the counts once the step is known
+to stand, so a speculative plan that is dropped (an fp16 overflow) leaves no trace. Running
+may happen on a background thread, so it reads nothing that the next step could change (the
+plan holds its own copy).
 """
 
 from __future__ import annotations
@@ -34,39 +38,55 @@ class Work(NamedTuple):
     out: torch.Tensor | None  # host buffer for the new params (`Bucket.out`); None: in place
     present: list[bool]  # which slots got a grad: the window's, copied (a delayed update
     # runs after the engine has started the next window)
+    counted: tuple[int, ...]  # param indices whose Adam step count `commit` advances (every
+    # present slot, this rank's shard or not: every rank counts every param's steps)
 
 
-def plan(buckets: list[Bucket], param_groups, param_steps: dict, grad_scale: float, *,
-         in_place: bool) -> list[Work]:
-    """The step's CPU-Adam calls over the params that got a gradient in this window, bucket
-    by bucket in forward order. Runs
-    outside this rank's shard are dropped, but every rank counts every param's steps
-    (``param_steps`` is advanced here). ``in_place``: the CPU-Adam writes the new 16-bit
-    values into the params' own storage (params on the CPU, no delayed update)."""
+def check_betas(buckets: list[Bucket], param_groups) -> None:
+    """Betas changed since the engine was built are refused here, before any update."""
     for fmt in {b.state.fmt for b in buckets}:
-        for g in param_groups:  # betas changed since the engine was built: refused here
+        for g in param_groups:
             fmt.check_betas(*g["betas"])
-    work = []
-    # Forward order: the last bucket holds the first layers' params (buckets fill in
-    # backward order), so their uploads finish first and the next forward can start.
-    for b in reversed(buckets):
-        if not any(b.window.present):
-            continue
-        lay, runs = b.layout, []
-        for run in lay.runs(b.window.present, lambda s: (s.group, param_steps[s.index])):
-            for s in run:
-                param_steps[s.index] += 1
-            lo = max(run[0].offset, lay.lo)
-            hi = min(run[-1].offset + run[-1].numel, lay.hi)
-            if lo < hi:
-                g = param_groups[run[0].group]
-                runs.append(Run(lo - lay.start, hi - lay.start, param_steps[run[0].index],
-                                {k: v for k, v in g.items() if k != "params"}, grad_scale))
-        out = b.out()
-        work.append(Work(b, b.grad(), runs,
-                         None if in_place and out.dtype != torch.float32 else out,
-                         list(b.window.present)))
-    return work
+
+
+def out_for(b: Bucket, *, in_place: bool) -> torch.Tensor | None:
+    """Where the CPU-Adam writes ``b``'s new params: `Bucket.out`, or None for each param's
+    own storage (``in_place``: params on the CPU, nothing reading them meanwhile) unless
+    the compute dtype is fp32 (the master, or the buffer filled from it, is the output)."""
+    out = b.out()
+    return None if in_place and out.dtype != torch.float32 else out
+
+
+def plan(b: Bucket, param_groups, param_steps: dict, grad_scale: float, *,
+         out: torch.Tensor | None) -> Work | None:
+    """Bucket ``b``'s CPU-Adam calls over the params that got a gradient in this window
+    (None: none did), each at its param's next Adam step. Runs outside this rank's shard
+    are dropped; ``param_steps`` is read, not changed (`commit`). ``out``: `out_for`."""
+    if not any(b.window.present):
+        return None
+    lay, runs, counted = b.layout, [], []
+    for run in lay.runs(b.window.present, lambda s: (s.group, param_steps[s.index])):
+        counted.extend(s.index for s in run)
+        lo = max(run[0].offset, lay.lo)
+        hi = min(run[-1].offset + run[-1].numel, lay.hi)
+        if lo < hi:
+            g = param_groups[run[0].group]
+            runs.append(Run(lo - lay.start, hi - lay.start, param_steps[run[0].index] + 1,
+                            {k: v for k, v in g.items() if k != "params"}, grad_scale))
+    return Work(b, b.grad(), runs, out, list(b.window.present), tuple(counted))
+
+
+def commit(work: list[Work], param_steps: dict) -> None:
+    """The planned steps stand: advance each counted param's Adam step count."""
+    for item in work:
+        for i in item.counted:
+            param_steps[i] += 1
+
+
+def forward_order(buckets: list[Bucket]) -> list[Bucket]:
+    """The last bucket holds the first layers' params (buckets fill in backward order):
+    updating and uploading in this order lets the next forward start first."""
+    return list(reversed(buckets))
 
 
 def run(work: list[Work], *, copier, threads: int, publish=None,
@@ -81,7 +101,7 @@ def run(work: list[Work], *, copier, threads: int, publish=None,
 
 def _run(work: list[Work], *, copier, threads: int, publish, sr_seed) -> tuple[float, float]:
     t_adam = t_publish = 0.0
-    for b, grad, runs, out, present in work:
+    for b, grad, runs, out, present, _ in work:
         copier.of(b).wait_uploaded(b.layout.index)  # its last upload has read `out`
         t0 = time.perf_counter()
         if out is not None:

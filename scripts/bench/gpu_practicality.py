@@ -8,6 +8,8 @@ on a fresh model in this process:
   - `ZeroOffloadOptimizer`, bf16 compute (fp32 master weights and moments on the host);
   - the same with ``delayed_update=True`` (no warm-up steps: every step's CPU-Adam overlaps
     the next forward and backward);
+  - the same with ``overlap_step=True`` (each bucket's CPU-Adam during backward), without
+    clipping and with ``max_grad_norm=1.0`` (speculating the norm stays under it);
   - with ``--offload_fractions 0,0.5,auto``: the same (not delayed) at each
     ``offload_fraction`` (the share of the state kept on the host; the rest is updated on
     the device); ``auto`` decides at the end of the first warm-up step;
@@ -51,6 +53,7 @@ SCRIPT = "gpu_practicality.py"
 REFERENCE = ("reference (issue 22, DeepSpeed's study): ZeRO-Offload at 17.6% of no-offload "
              "speed, Qwen2.5-1.5B on 2x A100 (another model, batch and machine)")
 DELAYED = ", delayed_update=True"
+OVERLAP, CLIPPED = ", overlap_step=True", ", max_grad_norm=1.0"
 FRACTION = ", offload_fraction="
 FSDP2_WAYS = (llama.FSDP2, llama.FSDP2_TORCH)
 HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "final loss"]
@@ -211,6 +214,12 @@ def main(argv=None) -> int:
     ways += [(llama.ZOFFLOAD + FRACTION + f,
               lambda m, f=f: llama.zoffload_step(m, offload_fraction=f), torch.bfloat16, None)
              for f in args.fractions]
+    # the overlapped step, without clipping and with the Trainer's max_grad_norm 1.0
+    ways += [(llama.ZOFFLOAD + OVERLAP,
+              lambda m: llama.zoffload_step(m, overlap_step=True), torch.bfloat16, None),
+             (llama.ZOFFLOAD + OVERLAP + CLIPPED,
+              lambda m: llama.zoffload_step(m, overlap_step=True, max_grad_norm=1.0),
+              torch.bfloat16, None)]
     if args.fsdp2:  # last: a run short of time leaves out these, the newest rows
         ways += [(llama.FSDP2, lambda m: llama.fsdp2_step(m, args.device), torch.bfloat16,
                   "cpu"),

@@ -192,13 +192,14 @@ def test_host_work_runs_on_cpu_threads_under_omp_one(monkeypatch, make_engine):
     cpu_threads; the caller's count is back to one after each."""
     from hf_zoffload.offload import copier as copier_mod
     from hf_zoffload.offload import engine as engine_mod
+    from hf_zoffload.offload.schedules import base as schedule_mod
 
     seen = {"fold": [], "run": [], "relayout": []}
     real_after = copier_mod.HostCopier.after_landed
     monkeypatch.setattr(copier_mod.HostCopier, "after_landed", lambda self, key, fn: real_after(
         self, key, lambda: (seen["fold"].append(torch.get_num_threads()), fn())))
-    real_run = engine_mod.run
-    monkeypatch.setattr(engine_mod, "run", lambda *a, **k: (
+    real_run = schedule_mod.run
+    monkeypatch.setattr(schedule_mod, "run", lambda *a, **k: (
         seen["run"].append(torch.get_num_threads()), real_run(*a, **k))[1])
     real_relayout = engine_mod.relayout
     monkeypatch.setattr(engine_mod, "relayout", lambda *a, **k: (

@@ -70,7 +70,7 @@ def test_practicality_runs_the_fractions_asked_for(capsys):
     assert rc == 0
     rows = [x for x in capsys.readouterr().out.splitlines()
             if x.startswith("summary: | ") and "tokens/s" not in x and "---" not in x]
-    assert [r[len("summary: "):].split(" | ")[0][2:] for r in rows][3:] == [
+    assert [r[len("summary: "):].split(" | ")[0][2:] for r in rows][3:5] == [
         llama.ZOFFLOAD + gpu_practicality.FRACTION + f for f in ("0", "auto")]
 
 
@@ -85,11 +85,13 @@ def test_practicality_runs_its_three_ways_on_the_cpu(tmp_path, capsys):
     assert lines[0].startswith("Llama 1 layers x 32") and "batch 2 x 16 tokens" in lines[0]
     assert lines[2] == "| " + " | ".join(gpu_practicality.HEADER) + " |"
     rows = [x for x in lines if x.startswith("| ") and "tokens/s" not in x and "---" not in x]
+    overlap = llama.ZOFFLOAD + gpu_practicality.OVERLAP
     assert [r.split(" | ")[0][2:] for r in rows] == [
-        llama.AMP, llama.ZOFFLOAD, llama.ZOFFLOAD + gpu_practicality.DELAYED]
+        llama.AMP, llama.ZOFFLOAD, llama.ZOFFLOAD + gpu_practicality.DELAYED, overlap,
+        overlap + gpu_practicality.CLIPPED]
     assert rows[0].split(" | ")[4] == "1.00" and lines[-1].startswith("ZeRO-Offload runs at ")
     saved = json.loads(out.read_text())
-    assert saved["batch"] == 2 and len(saved["results"]) == 3
+    assert saved["batch"] == 2 and len(saved["results"]) == 5
     assert all(r["tokens_per_s"] > 0 for r in saved["results"])
 
 
@@ -123,8 +125,9 @@ def test_practicality_leaves_out_the_ways_its_time_limit_cannot_hold(monkeypatch
     rc = gpu_practicality.main(["--device", "cpu", "--fsdp2"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert (f"summary: **not run, the 36 s time limit being near: {llama.FSDP2}; "
-            f"{llama.FSDP2_TORCH}**") in out
+    overlap = llama.ZOFFLOAD + gpu_practicality.OVERLAP
+    assert (f"summary: **not run, the 36 s time limit being near: {overlap}; "
+            f"{overlap + gpu_practicality.CLIPPED}; {llama.FSDP2}; {llama.FSDP2_TORCH}**") in out
     with pytest.raises(SystemExit):
         gpu_practicality.parse_args(["--time_limit", "0"])
 

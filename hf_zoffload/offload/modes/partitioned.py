@@ -202,6 +202,13 @@ class PartitionedExchange(Exchange):
             self._next += 1
         b.window.land(landing)
         u.round = self._round
+        self._complete_finished()
+
+    def _complete_finished(self) -> None:
+        """Land the deferred reductions gloo has finished, in launch order (the order the
+        norm sums them in): an overlapped step starts on them during backward."""
+        while self._inflight and self._inflight[0].work.is_completed():
+            self._finish(self._inflight.pop(0))
 
     def _launch(self, r: _Reduction) -> None:
         idx = r.bucket.layout.index
