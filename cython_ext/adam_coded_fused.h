@@ -35,8 +35,8 @@ HZ_FN(hz_prefetch_codes)(const uint8_t *c, size_t i, size_t j, const int qk) {
 }
 
 static inline __attribute__((always_inline)) void
-HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
-                      const int qk, const int mk) {
+HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
+                           const int ok, const int qk, const int mk, const int l2_on) {
     float mt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
@@ -48,7 +48,6 @@ HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
     const __m256 rbc2 = _mm256_set1_ps(a->inv_bc2_sqrt), eps = _mm256_set1_ps(a->eps);
     const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const int l2_on = a->l2_on;
     const size_t bs = (size_t)a->qblock;
     const int pf = hi - lo >= HZ_PREFETCH_MIN;
     for (size_t b0 = lo; b0 < hi; b0 += bs) {
@@ -128,4 +127,13 @@ HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
         *sm_out = sm;
         *su_out = su;
     }
+}
+
+/* hz_coded_fused_body with the L2 flag a constant (AdamW: none; Adam: on), as hz_fused does:
+ * the same operations on every lane, so the same bits. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz_coded_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
+                      const int qk, const int mk) {
+    if (!a->l2_on) HZ_FN(hz_coded_fused_body)(a, lo, hi, gk, ok, qk, mk, 0);
+    else HZ_FN(hz_coded_fused_body)(a, lo, hi, gk, ok, qk, mk, 1);
 }

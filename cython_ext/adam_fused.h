@@ -228,9 +228,10 @@ HZ_FN(hz_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, 
  * test and the lerp's select from every 16 lanes; instructions per param, the engine's call
  * (bf16 grads in, bf16 params out over them; bench_kernel_loop.py --instructions), fp32 /
  * bf16 moments: 5.97 / 7.65 -> 4.91 / 6.98, with a bf16 master 6.90 / 8.78 -> 6.03 / 8.21.
- * The same operations on every lane, so the same bits.  The coded moments' pass
- * (adam_coded_fused.h) gained nothing from a constant L2 flag (int8 9.51 -> 9.52, int4
- * 10.55 -> 10.62): gcc had already taken its test out of the loop. */
+ * The same operations on every lane, so the same bits.  adam_coded_fused.h does the same
+ * with its L2 flag: alone it gained nothing there (gcc had hoisted that test), but without it
+ * this file's second instance cost the int4 pass 10.55 -> 11.23 (code generation across the
+ * one big function); with it int8 / int4 9.52 / 10.62, bf16 master 10.47 / 11.67. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_fused)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
                 const int sk, const int mk) {

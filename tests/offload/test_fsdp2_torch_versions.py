@@ -1,5 +1,5 @@
-"""The engine's FSDP2 mode on the torch versions it meets (offload/modes/fsdp2_offload.py): torch 2.11's
-FSDP2 records (one param group per module state) beside 2.13's (a list), and 2.11's
+"""The engine's FSDP2 mode on the torch versions it meets (offload/modes/fsdp2_offload.py):
+torch 2.11's FSDP2 records (one param group per module state) beside 2.13's (a list), and 2.11's
 non-blocking copy of each gradient shard to the host, which the engine's grad hook must wait
 for ([Note: FSDP2's grad copy to the host]). A CPU has no pinned copy in flight, so a stub
 event stands in for it: the gradient's pages hold NaN until the event is waited for, as a
