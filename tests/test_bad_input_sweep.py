@@ -34,6 +34,7 @@ BAD_VALUES = [
     ("pin_memory", "maybe", "not a valid bool (true/false)"),
     ("pin_memory", 2, "not a valid bool (true/false)"),
     ("delayed_update", 1.5, "not a valid bool (true/false)"),
+    ("overlap_step", 1.5, "not a valid bool (true/false)"),
     ("delayed_update_warmup_steps", -1, "must be >= 0"),
     ("delayed_update_warmup_steps", 2.5, "not a valid int"),
     ("cpu_threads", "two", "not a valid int"),

@@ -507,7 +507,7 @@ def check_host_memory(layouts, *, param_dtype, plugin, pinned: bool, world: int,
     def need(state_dtype):
         return host_needed(layouts, param_dtype=param_dtype, state_dtype=state_dtype,
                            delayed_update=plugin.delayed_update, pinned=pinned,
-                           overlap_step=plugin.overlap_step,
+                           overlap_step=getattr(plugin, "overlap_step", False),
                            master_dtype=plugin.master_dtype)
 
     needed = need(plugin.state_dtype)
