@@ -111,7 +111,6 @@ from ..offload.engine import ZeroOffloadOptimizer
 from ..offload.memory import format_report
 from ..offload.support import check_model
 from . import compat, completeness, core, fsdp2, parallel
-from .nonfinite import NonFiniteError
 from .arguments import (
     ALLOWED_OPTIMS,
     ZeroOffloadArgumentsMixin,
@@ -119,6 +118,7 @@ from .arguments import (
     check_argv,
     zero_offload_args,
 )
+from .nonfinite import NonFiniteError
 from .plan import TRAINER, make_plan
 
 logger = logging.getLogger(__name__)

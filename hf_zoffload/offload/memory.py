@@ -53,9 +53,9 @@ def estimate(
     B/param) for this rank's ``1/world_size`` shard, the 16-bit gradient buffer (which the
     update's new params overwrite on their way back), a second gradient buffer for the delayed
     update or for ``overlap_step`` (where the early updates write their new params, so the
-    gradients stay for a correction), and with ``grad_accumulation`` the buffers of micro-step accumulation
-    (`accumulation_needed`: with one process an fp32 sum per grad set, with N ranks whole
-    unreduced buckets as well). ``pinned``: the gradient buffers are page-locked, held as the
+    gradients stay for a correction), and with ``grad_accumulation`` the buffers of micro-step
+    accumulation (`accumulation_needed`: with one process an fp32 sum per grad set, with N ranks
+    whole unreduced buckets as well). ``pinned``: the gradient buffers are page-locked, held as the
     engine's pool holds them (host.py: power-of-two blocks of whole buckets), with buckets of
     ``bucket_size_mb`` each.
     """

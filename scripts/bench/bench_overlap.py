@@ -106,7 +106,7 @@ def timing(args) -> list[str]:
         ov = Trainer(make, overlap=True, **kw)
         hidden = []
 
-        def ov_step():
+        def ov_step(ov=ov, hidden=hidden):  # bound now: the loop's end deletes ov
             s = ov.step()
             hidden.append(ov.last.get("hidden_share", 0.0))
             return s

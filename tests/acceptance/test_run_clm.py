@@ -490,7 +490,8 @@ def test_torchrun_without_use_cpu_is_two_ranks(from_config):
 @pytest.mark.slow
 def test_run_clm_fsdp_full_shard_offload_equals_the_plain_mode(tmp_path, clm):
     """run_clm.py --zero_offload --fsdp --fsdp_config '{"version": 2, "cpu_offload": true}'
-    (one rank, as torchrun starts it: transformers refuses FSDP outside distributed training) on GPT-2 with its tied head:
+    (one rank, as torchrun starts it: transformers refuses FSDP outside distributed training)
+    on GPT-2 with its tied head:
     the Trainer shards it with accelerate's FSDP2 policy and the engine trains the shards;
     the losses and the eval loss are the plain --zero_offload run's."""
     from hf_zoffload.integrations.defaults import stdlib_corpus, train_tokenizer

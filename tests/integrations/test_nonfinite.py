@@ -65,7 +65,8 @@ def test_a_run_turning_nan_stops_and_keeps_the_last_finite_checkpoint(tmp_path, 
     # loss alone counts
     what = "a non-finite loss" + ("" if precision == "fp16" else ", grad_norm nan")
     with pytest.raises(NonFiniteError, match=rf"^ZeRO-Offload: 3 consecutive optimizer steps "
-                       rf"with a non-finite loss or gradient norm, from step 5 \({what}\); stopped at step 7 \(max_nonfinite_steps=3\), "
+                       rf"with a non-finite loss or gradient norm, from step 5 \({what}\); "
+                       r"stopped at step 7 \(max_nonfinite_steps=3\), "
                        r"with no checkpoint saved from step 5 on\."):
         trainer.train()
     if precision == "fp16":

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
-from hf_zoffload.offload.schedules import Delayed, Overlapped, Synchronous, make_schedule
-from hf_zoffload.offload.schedules import inverse
+from hf_zoffload.offload.schedules import Delayed, Overlapped, Synchronous, inverse, make_schedule
 from hf_zoffload.offload.tiers import Tier
 from hf_zoffload.offload.update import Run
 from hf_zoffload.ops.adam_kernels import adam_update_reference
@@ -284,7 +283,8 @@ def test_the_undo_is_within_its_bound():
         for j, key in enumerate("pmv"):
             err = (after[3 * i + j].double() - pv[key]).abs()
             bad = err > lim[key] + 1e-45
-            assert not bad.any(), (i, key, err[bad][:5], lim[key][bad][:5], pv[key][bad][:5], spec[key][bad][:5])
+            assert not bad.any(), (i, key, err[bad][:5], lim[key][bad][:5], pv[key][bad][:5],
+                                   spec[key][bad][:5])
 
 
 # --------------------------------------------------------------- accumulation

@@ -16,8 +16,8 @@ the fp32 values and rounded once to fp32,
 and at Adam step 1 the moments were zero: m = v = 0 exactly. With u = 2^-24, to first
 order: |m~ - m| <= u (c |g - m| + |m1|) / (1 - c) + u |m|,
 |v~ - v| <= u (w2 g^2 + v1) / beta2 + 2 u v, |p~ - p| <= 2 u |p| + u |p1| + 4 u |q|
-(q: each side's rounding, and d an ulp apart where the kernel fuses its multiply-add). Redoing the step
-from them (`bound` gives what that leaves against a step from the true state).
+(q: each side's rounding, and d an ulp apart where the kernel fuses its multiply-add).
+Redoing the step from them (`bound` gives what that leaves against a step from the true state).
 """
 
 from __future__ import annotations

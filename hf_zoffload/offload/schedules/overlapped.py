@@ -26,8 +26,8 @@ import time
 import torch
 
 from ..state import Bucket
-from ..tiers import Tier
 from ..threads import host_threads
+from ..tiers import Tier
 from ..update import Work, check_betas, commit, forward_order, out_for, plan, run
 from .base import Schedule, Steps
 from .inverse import undo
