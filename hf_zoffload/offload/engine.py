@@ -292,7 +292,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
         (dst.add_ if w.adds_to_sum else dst.copy_)(local_grad(p, p.grad).reshape(-1))
         p.grad = None  # the device keeps no full gradient copy
         if w.arrive(i):
-            self.exchange.flush(b)
+            self.exchange.send(b)
             self._tell_landed()
 
     def _check(self, buf, b: Bucket) -> None:
@@ -315,7 +315,7 @@ class ZeroOffloadOptimizer(torch.optim.Optimizer):
             self.order.end_backward()
         for b in self.buckets:
             if b.window.pending is not None:
-                self.exchange.flush(b)
+                self.exchange.send(b)
         self.exchange.end_backward(ended)
         self._tell_landed()
         if ended:

@@ -231,7 +231,7 @@ def _backward(opt, grads: dict[int, torch.Tensor]) -> None:
         for i, s in enumerate(b.layout.slots):
             b.window.pending[s.offset:s.offset + s.numel].copy_(grads[s.index])
             b.window.arrive(i)
-        ex.flush(b)
+        ex.send(b)
     ex.end_backward(True)
     ex.end_window()
     for b in opt.buckets:

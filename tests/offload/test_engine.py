@@ -481,8 +481,8 @@ class TestBadCheckpointsAndOptions:
 
 def _flush_order(opt):
     """Bucket indices in the order the exchange flushed them in one backward."""
-    order, flush = [], opt.exchange.flush
-    opt.exchange.flush = lambda b: (order.append(b.layout.index), flush(b))[1]
+    order, send = [], opt.exchange.send
+    opt.exchange.send = lambda b: (order.append(b.layout.index), send(b))[1]
     return order
 
 

@@ -23,8 +23,8 @@ ENGINE_DEFAULTS = dict(lr=LR, compute_dtype="fp32", bucket_size_mb=0.006)
 
 def _flushes(opt):
     """Bucket indices in the order the exchange flushes them, per backward (appended)."""
-    order, flush = [], opt.exchange.flush
-    opt.exchange.flush = lambda b: (order.append(b.layout.index), flush(b))[1]
+    order, send = [], opt.exchange.send
+    opt.exchange.send = lambda b: (order.append(b.layout.index), send(b))[1]
     return order
 
 

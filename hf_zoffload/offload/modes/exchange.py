@@ -124,7 +124,7 @@ class Exchange(abc.ABC):
         write (or add) each param's gradient into it."""
 
     @abc.abstractmethod
-    def flush(self, b: Bucket) -> None:
+    def send(self, b: Bucket) -> None:
         """``b``'s buffer of this backward is complete (every param arrived, or the
         backward ended): send it on its way to the host (`Window.take_pending`,
         `Window.land`)."""
@@ -197,7 +197,7 @@ class LocalExchange(Exchange):
         b.window.open(t.device_buffer(b.layout.index, g16.numel(), g16.dtype, lambda: g16,
                                       zero=True))
 
-    def flush(self, b: Bucket) -> None:
+    def send(self, b: Bucket) -> None:
         buf = b.window.take_pending()
         self.check(buf, b)
         self.copier.of(b).to_host(b.layout.index, b.state.grads.grad16, buf)

@@ -180,7 +180,7 @@ class PartitionedExchange(Exchange):
             w.open(t.device_buffer(b.layout.index, b.layout.padded, self.dtype,
                                    lambda: self._host16(b), zero=True))
 
-    def flush(self, b: Bucket) -> None:
+    def send(self, b: Bucket) -> None:
         buf = b.window.take_pending()
         u = self._unreduced[b.layout.index]
         if not self._sync:  # no collective: the full unreduced bucket goes to the host
@@ -245,7 +245,7 @@ class PartitionedExchange(Exchange):
         for b in self.buckets:
             if self._unreduced[b.layout.index].round != self._round:
                 self.open(b)
-                self.flush(b)
+                self.send(b)
         self._unsynced = False
 
     def end_backward(self, ended: bool) -> None:
