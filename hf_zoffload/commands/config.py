@@ -115,7 +115,7 @@ def accelerate_fsdp(acc) -> dict | None:
 
 def check_fsdp(fsdp: dict, *, where: str = "accelerate's answers") -> None:
     """The FSDP that ZeRO-Offload trains with is FSDP2 with parameter offload (its sharded
-    params on the host, where the CPU-Adam writes them: offload/fsdp2.py); any other FSDP of
+    params on the host, where the CPU-Adam writes them: offload/modes/fsdp2_offload.py); any other FSDP of
     accelerate's config (``where``) is refused in one line."""
     version, offload = int(fsdp.get("fsdp_version", 1)), bool(fsdp.get("fsdp_offload_params"))
     if version != 2 or not offload:

@@ -236,7 +236,7 @@ def prepare_zero_offload(accelerator, *objects, plugin: ZeroOffloadPlugin | None
         if accelerator.device_placement:  # as prepare_model would, but before the engine
             for m in models:
                 # FSDP2 with CPU offload keeps its sharded params on the host and moves them
-                # itself (offload/fsdp2.py)
+                # itself (offload/modes/fsdp2_offload.py)
                 if not accelerator.verify_device_map(m) and not fsdp2_states(m):
                     m.to(accelerator.device)
         engine = _engine_from_adam(old, plugin, models=models, sharded=sharded,

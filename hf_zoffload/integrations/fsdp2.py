@@ -1,6 +1,6 @@
 """FSDP2 parameter offload in the integrations: accelerate's FSDP plugin applied by ZeRO-Offload.
 
-The engine's FSDP2 mode (offload/fsdp2.py) trains a model sharded by ``fully_shard`` with
+The engine's FSDP2 mode (offload/modes/fsdp2_offload.py) trains a model sharded by ``fully_shard`` with
 ``CPUOffloadPolicy``. The integrations take the plugin that asks for it, accelerate's
 ``FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)`` (the Trainer's ``--fsdp
 "full_shard offload"`` / ``fsdp_config`` build one; `requested` says where else it is read

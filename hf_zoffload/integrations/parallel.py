@@ -1,7 +1,7 @@
 """Tensor parallelism in the integrations: accelerate's `ParallelismConfig` checked against
 what the engine trains, and a whole model sharded with its transformers tensor-parallel plan.
 
-The engine trains DTensor params through their local shards (offload/tensor_parallel.py);
+The engine trains DTensor params through their local shards (offload/modes/tensor_parallel.py);
 what the integrations add is the setup around it:
 
 - the sizes: ``tp_size`` tensor-parallel ranks, and data parallelism over the rest of the

@@ -1,7 +1,7 @@
 """A one-rank NCCL process group against the plain engine on CUDA, bitwise.
 
 An explicit ``process_group=`` runs the data-parallel code even with one rank
-(hf_zoffload/offload/partitioned.py: reduce-scatter, the one all-reduce of the step's flags,
+(hf_zoffload/offload/modes/partitioned.py: reduce-scatter, the one all-reduce of the step's flags,
 all-gather, the unreduced micro-steps summed on the host and uploaded back, NCCL's
 stream-ordered waits). With one rank it must change nothing: for fp16 / bf16 / fp32 x delayed
 update off / on, 3 micro-steps per step with ``no_sync()`` on some (the first two on even
