@@ -115,8 +115,8 @@ def accelerate_fsdp(acc) -> dict | None:
 
 def check_fsdp(fsdp: dict, *, where: str = "accelerate's answers") -> None:
     """The FSDP that ZeRO-Offload trains with is FSDP2 with parameter offload (its sharded
-    params on the host, where the CPU-Adam writes them: offload/modes/fsdp2_offload.py); any other FSDP of
-    accelerate's config (``where``) is refused in one line."""
+    params on the host, where the CPU-Adam writes them: offload/modes/fsdp2_offload.py); any
+    other FSDP of accelerate's config (``where``) is refused in one line."""
     version, offload = int(fsdp.get("fsdp_version", 1)), bool(fsdp.get("fsdp_offload_params"))
     if version != 2 or not offload:
         raise ValueError(

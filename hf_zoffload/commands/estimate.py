@@ -121,8 +121,9 @@ def fsdp2_layout(args) -> tuple[bool, str]:
 
 
 def check_fsdp2(plugin, *, tp: int, params_only: bool, named_by: str) -> None:
-    """What the engine refuses with FSDP2 parameter offload (offload/modes/fsdp2_offload.py, engine.py),
-    refused here in one line, before a model is built; ``named_by``: who chose the mode."""
+    """What the engine refuses with FSDP2 parameter offload (offload/modes/fsdp2_offload.py,
+    engine.py), refused here in one line, before a model is built; ``named_by``: who chose
+    the mode."""
     what = f"FSDP2 parameter offload ({named_by})"
     if params_only:
         raise ValueError(f"{what} needs MODEL, --model or --model_type: the GPU side comes "

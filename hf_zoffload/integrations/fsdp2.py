@@ -1,10 +1,10 @@
 """FSDP2 parameter offload in the integrations: accelerate's FSDP plugin applied by ZeRO-Offload.
 
-The engine's FSDP2 mode (offload/modes/fsdp2_offload.py) trains a model sharded by ``fully_shard`` with
-``CPUOffloadPolicy``. The integrations take the plugin that asks for it, accelerate's
-``FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)`` (the Trainer's ``--fsdp
-"full_shard offload"`` / ``fsdp_config`` build one; `requested` says where else it is read
-from), and run one path on CPU and GPU processes alike:
+The engine's FSDP2 mode (offload/modes/fsdp2_offload.py) trains a model sharded by
+``fully_shard`` with ``CPUOffloadPolicy``. The integrations take the plugin that asks for it,
+accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)`` (the Trainer's
+``--fsdp "full_shard offload"`` / ``fsdp_config`` build one; `requested` says where else it is
+read from), and run one path on CPU and GPU processes alike:
 
 1. `check` refuses, in one line and before anything changes, what the engine cannot train
    behind it: FSDP1, FSDP2 without CPU offload, HSDP or FSDP beside tensor parallelism, and
