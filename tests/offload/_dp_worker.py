@@ -277,6 +277,18 @@ def _resolve(fn_name: str):
     return getattr(importlib.import_module(module), name)
 
 
+@contextlib.contextmanager
+def one_rank():
+    """A one-process gloo group in this process, for tests that build a mode's exchange
+    without spawning ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

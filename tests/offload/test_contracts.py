@@ -9,7 +9,6 @@ and must pass them all."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hf_zoffload.config import ZeroOffloadPlugin
 from hf_zoffload.offload.copier import HostCopier, ResidentTransport
 from hf_zoffload.offload.engine import ZeroOffloadOptimizer
+from tests.offload import _dp_worker as dpw
 from tests.offload import _fsdp2_worker as fw
 from tests.offload import _tp_worker as tw
 from tests.offload._async_copier import AsyncCopier
@@ -176,16 +176,6 @@ def test_stream_wide_calls_keep_their_types(stack):
 
 
 # ---------------------------------------------------------------- exchanges
-@contextlib.contextmanager
-def _one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _plain_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Linear(13, 5))
@@ -216,7 +206,7 @@ MODES = {  # name -> (needs a process group, build (model, optimizer))
 @pytest.fixture(params=list(MODES))
 def engine(request):
     grouped, build = MODES[request.param]
-    with _one_rank() if grouped else contextlib.nullcontext():
+    with dpw.one_rank() if grouped else contextlib.nullcontext():
         model, opt = build()
         yield opt
 

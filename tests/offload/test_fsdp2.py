@@ -2,8 +2,6 @@
 ``CPUOffloadPolicy``) on a CPU mesh: 1 gloo rank in this process, 2 spawned
 (tests/offload/_fsdp2_worker.py), against torch.optim.AdamW on the unsharded model."""
 
-import contextlib
-import datetime
 
 import pytest
 import torch
@@ -42,16 +40,6 @@ def reference(steps: int = w.STEPS, *, tied: bool = False):
     return params, norms
 
 
-@contextlib.contextmanager
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ref():
     saved = torch.get_num_threads()
@@ -80,7 +68,7 @@ def one(tmp_path_factory):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with one_rank():
+        with dpw.one_rank():
             return {"fp32": w.train(0, 1, plugin=FP32, save_at=10, save=ckpt), "ckpt": ckpt}
     finally:
         torch.set_num_threads(saved)
@@ -104,7 +92,7 @@ def two(tmp_path_factory, one):
 def test_one_rank_equals_torch_adamw(torch_one_thread):
     """fp32, 4 steps of 2 micro-steps, clipping at 0.5 (it binds), decay and no-decay groups
     (20 steps, and 2 ranks: the slow tests)."""
-    with one_rank():
+    with dpw.one_rank():
         got = w.train(0, 1, plugin=FP32, stop=4)
     _close_every_step(got, reference(4))
 
@@ -113,7 +101,7 @@ def test_one_rank_fsdp2_reducing_only_at_the_boundary_equals_torch_adamw(torch_o
     """``set_requires_gradient_sync(False)`` on the first micro-step: FSDP2 keeps its
     unsharded gradient and reduces the sum at the second backward, the engine's window sees
     one backward a step."""
-    with one_rank():
+    with dpw.one_rank():
         got = w.train(0, 1, plugin=FP32, stop=3, no_sync=True)
     _close_every_step(got, reference(3))
     assert got["report"]["host"]["grad_accumulation"] == 0  # one landed backward a step
@@ -124,7 +112,7 @@ def test_one_rank_activation_checkpointing_equals_torch_adamw(reentrant, torch_o
     """Each block's activations recomputed in backward (FSDP2 gathers its params again
     there); reentrant checkpointing runs a nested backward per block, and the engine's
     backward still ends once."""
-    with one_rank():
+    with dpw.one_rank():
         got = w.train(0, 1, plugin=FP32, stop=3, reentrant=reentrant)
     _close_every_step(got, reference(3))
 
@@ -132,7 +120,7 @@ def test_one_rank_activation_checkpointing_equals_torch_adamw(reentrant, torch_o
 def test_one_rank_tied_weights_equal_torch_adamw(torch_one_thread):
     """The head's weight is the embedding's, both in the root's FSDP2 group: one sharded
     param to FSDP2 and to the engine, its gradient the sum of both uses."""
-    with one_rank():
+    with dpw.one_rank():
         got = w.train(0, 1, plugin=FP32, stop=3, tied=True)
     assert len(got["params"][0]) == len(list(w.Net().parameters())) - 1
     _close_every_step(got, reference(3, tied=True))
@@ -144,7 +132,7 @@ def test_one_rank_delayed_update_equals_the_engine_without_fsdp2(torch_one_threa
     on the plain net, where FSDP2 on one rank computes the same grads (no collective); with
     ``flush()`` after each step, torch's AdamW."""
     plugin = {**FP32, "delayed_update": True, "delayed_update_warmup_steps": 1}
-    with one_rank():
+    with dpw.one_rank():
         got = w.train(0, 1, plugin=plugin, stop=5)
     plain = w.train(0, 1, plugin=plugin, stop=5, fsdp=False)
     for a, b in zip(got["params"], plain["params"], strict=True):
@@ -152,7 +140,7 @@ def test_one_rank_delayed_update_equals_the_engine_without_fsdp2(torch_one_threa
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
     ref = reference(5)
     assert max(float((x - y).abs().max()) for x, y in zip(got["params"][-1], ref[0][-1])) > 1e-3
-    with one_rank():
+    with dpw.one_rank():
         _close_every_step(w.train(0, 1, plugin=plugin, stop=5, flush=True), ref)
 
 
@@ -161,7 +149,7 @@ def test_checkpoints_move_to_the_mode_without_fsdp2_and_back(torch_one_thread, t
     2, resumed by the engine on the plain net, and the reverse; both continue as AdamW."""
     ref = reference(4)
     a, b = str(tmp_path / "fsdp2.pt"), str(tmp_path / "plain.pt")
-    with one_rank():
+    with dpw.one_rank():
         w.train(0, 1, plugin=FP32, stop=2, save_at=2, save=a)
         w.train(0, 1, plugin=FP32, stop=2, save_at=2, save=b, fsdp=False)
         into_fsdp2 = w.train(0, 1, plugin=FP32, start=2, stop=4, load=b)
@@ -177,7 +165,7 @@ def test_host_bytes_per_param_per_state_dtype(state_dtype, moments, torch_one_th
     engine's bf16 copy, 2 B per param; per element the engine holds master 4, moments
     (int8: 1 B each plus an fp32 scale per 256-element block of each), grad landing 2.
     16 / 12 / about 10 B per param in all."""
-    with one_rank():
+    with dpw.one_rank():
         r = w.train(0, 1, stop=1, plugin={"state_dtype": state_dtype, "compute_dtype": "bf16"})
     host, n = r["report"]["host"], r["local"]
     assert r["param_dtypes"] == ["torch.bfloat16"]
@@ -194,7 +182,7 @@ def test_host_bytes_per_param_per_state_dtype(state_dtype, moments, torch_one_th
 
 # ------------------------------------------------------------------ refusals
 def _refused(match: str, **shard_kw):
-    with one_rank():
+    with dpw.one_rank():
         model = w.shard(w.Net(), 1, **shard_kw)
         before = [p.to_local().clone() for p in model.parameters()]
         with pytest.raises(ValueError, match=match):
@@ -206,7 +194,7 @@ def _refused(match: str, **shard_kw):
 
 
 def test_refuses_fsdp1(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model = FullyShardedDataParallel(w.Net(), device_id=torch.device("cpu"))
         with pytest.raises(ValueError, match="FSDP .the param is an FSDP FlatParameter"):
             ZeroOffloadOptimizer(model.parameters(), model=model, plugin=ZeroOffloadPlugin())
@@ -227,7 +215,7 @@ def test_refuses_hsdp(torch_one_thread):
 
 
 def test_refuses_after_the_first_forward(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model = w.shard(w.Net(), 1)
         model(w.batches(1)[0])
         with pytest.raises(ValueError, match="before the first forward"):
@@ -235,7 +223,7 @@ def test_refuses_after_the_first_forward(torch_one_thread):
 
 
 def test_refuses_a_trainable_param_fsdp2_does_not_shard(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model = w.Net()
         for m in [*model.blocks, model.head]:
             w.fully_shard(m, mesh=w.init_device_mesh("cpu", (1,)),
@@ -245,7 +233,7 @@ def test_refuses_a_trainable_param_fsdp2_does_not_shard(torch_one_thread):
 
 
 def test_refuses_an_offload_fraction_below_one(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model = w.shard(w.Net(), 1)
         before = [p.to_local().clone() for p in model.parameters()]
         with pytest.raises(ValueError, match="'offload_fraction' '0.5' with FSDP2 parameter "
@@ -256,7 +244,7 @@ def test_refuses_an_offload_fraction_below_one(torch_one_thread):
 
 
 def test_refuses_a_process_group(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model = w.shard(w.Net(), 1)
         with pytest.raises(ValueError, match="process_group= was given"):
             ZeroOffloadOptimizer(model.parameters(), model=model, plugin=ZeroOffloadPlugin(),
@@ -264,7 +252,7 @@ def test_refuses_a_process_group(torch_one_thread):
 
 
 def test_the_exchange_is_the_fsdp2_mode(torch_one_thread):
-    with one_rank():
+    with dpw.one_rank():
         model, opt = w.build(1)
         assert isinstance(opt.exchange, Fsdp2Exchange) and opt.exchange.params_on_host
 
@@ -298,7 +286,7 @@ def test_checkpoints_resume_with_the_other_rank_count(two, ref, tmp_path):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with one_rank():
+        with dpw.one_rank():
             got = w.train(0, 1, plugin=FP32, start=10, load=two["ckpt"])
     finally:
         torch.set_num_threads(saved)
@@ -363,7 +351,7 @@ def test_load_master_state_dict_takes_dtensors_laid_out_as_the_params(torch_one_
     """What a DTensor model's load_state_dict hands its hooks once whole tensors are cut into
     parts: DTensors in the params' own layout become the fp32 masters (their local parts);
     a DTensor in another layout is refused before anything is written."""
-    with one_rank():
+    with dpw.one_rank():
         model, opt = w.build(1, plugin=dict(compute_dtype="bf16"))
         named = dict(model.named_parameters())
         g = torch.Generator().manual_seed(5)

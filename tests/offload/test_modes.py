@@ -5,9 +5,6 @@ and test_fsdp2.py's)."""
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,18 +18,9 @@ from hf_zoffload.offload.modes.fsdp2_offload import Fsdp2Exchange
 from hf_zoffload.offload.modes.mesh import MeshSpan
 from hf_zoffload.offload.modes.partitioned import GroupSpan, PartitionedExchange
 from hf_zoffload.offload.modes.resolve import Kind
+from tests.offload import _dp_worker as dpw
 from tests.offload import _fsdp2_worker as fw
 from tests.offload import _tp_worker as tw
-
-
-@contextlib.contextmanager
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _engine(params, **kw):
@@ -52,7 +40,7 @@ def test_one_process():
 
 
 def test_a_world_of_one_rank_is_one_process_and_a_group_given_is_data_parallel():
-    with one_rank():
+    with dpw.one_rank():
         assert _engine(_plain().parameters()).mode.kind is Kind.ONE_PROCESS
         opt = _engine(_plain().parameters(), process_group=dist.group.WORLD)
         assert opt.mode.kind is Kind.DATA_PARALLEL and opt.mode.data_group is dist.group.WORLD
@@ -61,7 +49,7 @@ def test_a_world_of_one_rank_is_one_process_and_a_group_given_is_data_parallel()
 
 
 def test_dtensor_params_are_tensor_parallel_over_their_mesh():
-    with one_rank():
+    with dpw.one_rank():
         model = tw.Model()
         mesh = init_device_mesh("cpu", (1,))
         parallelize_module(model, mesh, tw.PLAN)
@@ -78,7 +66,7 @@ def test_dtensor_params_are_tensor_parallel_over_their_mesh():
 
 
 def test_fully_shard_modules_are_fsdp2_and_win_over_a_group():
-    with one_rank():
+    with dpw.one_rank():
         model = fw.shard(fw.Net(), 1)
         opt = _engine(model.parameters(), model=model)
         assert opt.mode.kind is Kind.FSDP2 and len(opt.mode.fsdp_params) == len(opt.param_steps)
@@ -91,7 +79,7 @@ def test_fully_shard_modules_are_fsdp2_and_win_over_a_group():
 
 def test_a_bad_layout_is_refused_before_anything_changes():
     """The refusal is resolve's: no param is cast, no host state made."""
-    with one_rank():
+    with dpw.one_rank():
         model = fw.shard(fw.Net(), 1, offload=False)
         before = [p.to_local().clone() for p in model.parameters()]
         with pytest.raises(ValueError, match="without CPU offload"):

@@ -1,12 +1,9 @@
 """ZeRO-Offload with torch tensor parallelism (DTensor params): 2 gloo ranks (tp=2) against
 one process on the same model and data (tests/offload/_tp_worker.py)."""
 
-import contextlib
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -210,22 +207,12 @@ def test_checkpoints_move_between_tp2_and_one_process(two, one):
 
 
 # ----------------------------------------------------- in-process, a 1-rank process group
-@contextlib.contextmanager
-def _one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_one_rank_tensor_parallel_is_bitwise_one_process():
     """A 1-rank mesh runs the tensor-parallel exchange (DTensor params, local tensors,
     swapped-in compute-dtype locals, the stats all-reduce, checkpoints through full_tensor):
     it must change nothing against plain params."""
     ref = w.train(0, 1, stop=4, plugin=BF16)
-    with _one_rank():
+    with dpw.one_rank():
         model = w.Model()
         mesh = init_device_mesh("cpu", (1,))
         from torch.distributed.tensor.parallel import parallelize_module
@@ -255,7 +242,7 @@ def test_one_rank_tensor_parallel_is_bitwise_one_process():
 
 @pytest.mark.parametrize("case", ["partial", "3d", "fsdp2", "two_meshes"])
 def test_unsupported_dtensors_are_refused_before_any_change(case, monkeypatch):
-    with _one_rank():
+    with dpw.one_rank():
         plain = torch.nn.Parameter(torch.randn(3))
         mesh = init_device_mesh("cpu", (1,))
         if case == "partial":
@@ -284,7 +271,7 @@ def test_check_model_takes_tensor_parallel_models_and_refuses_fsdp2_ones():
     """The integrations' check: DTensor params of a tensor-parallel plan pass (the Trainer
     and prepare_zero_offload train them, tests/integrations/test_tensor_parallel.py); a model
     loaded with fsdp_size > 1, or a placement the engine cannot train, does not."""
-    with _one_rank():
+    with dpw.one_rank():
         model = w.Model()
         from torch.distributed.tensor.parallel import parallelize_module
         parallelize_module(model, init_device_mesh("cpu", (1,)), w.PLAN)
