@@ -28,7 +28,8 @@ from tests._preloaded import Preloaded
 from tests._tiny import TokenBlocks, batches, tiny_llama
 from tests.integrations import _fsdp2_worker as tw
 from tests.offload import _fsdp2_worker as w
-from tests.offload.test_fsdp2 import ATOL, RTOL, _close_every_step, one_rank, reference
+from tests.offload._dp_worker import one_rank
+from tests.offload.test_fsdp2 import ATOL, RTOL, _close_every_step, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LR, MAX_NORM, STEPS = 3e-3, 0.5, 3

@@ -12,7 +12,7 @@ import torch
 from hf_zoffload import ZeroOffloadOptimizer, ZeroOffloadPlugin
 from hf_zoffload.offload.modes.fsdp2_offload import fsdp2_param_groups, fsdp2_params, fsdp2_states
 from tests.offload import _fsdp2_worker as w
-from tests.offload.test_fsdp2 import one_rank
+from tests.offload._dp_worker import one_rank
 
 
 def test_param_groups_in_both_torch_layouts():

@@ -7,7 +7,8 @@ import pytest
 from hf_zoffload.offload.memory import device_bytes_fsdp2, estimate_fsdp2
 from tests.offload import _dp_worker as dpw
 from tests.offload import _fsdp2_worker as w
-from tests.offload.test_fsdp2 import RUNS, one_rank
+from tests.offload._dp_worker import one_rank
+from tests.offload.test_fsdp2 import RUNS
 
 BUCKET_MB = 0.01  # the worker's: 5,242 16-bit elements a bucket
 
