@@ -58,14 +58,17 @@ from transformers.utils import (
 
 from .nonfinite import NonFiniteStop
 
-__all__ = ["TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
+__all__ = ["SHARES", "TIMINGS", "OffloadedOptimizer", "ClipRoute", "WholeWeights", "MasterWeights",
            "engine_params", "tensor_parallel", "trains", "prepare_models", "take_whole_tensors",
            "saved_state_dict",
            "remove_model_weights", "show_info_logs", "install", "attached_engine"]
 
 # The engine's per-step timings (ZeroOffloadOptimizer.timings says what each measures);
 # the copy times exist on CUDA only and are logged only where they were reported.
-TIMINGS = ("fwd_bwd", "grad_wait", "cpu_adam", "upload_host", "d2h_copy", "h2d_copy")
+# The overlapped schedule's (overlap_step) two timings and its running hit rate come on top.
+TIMINGS = ("fwd_bwd", "grad_wait", "cpu_adam", "upload_host", "d2h_copy", "h2d_copy",
+           "cpu_adam_early", "correction")
+SHARES = ("hit_share",)  # logged as they are (the last step's value), not as _ms means
 # On the accelerator instance: the engine installed, and what `install` replaced.
 _ENGINE_ATTR, _OWN_ATTR = "_zero_offload_engine", "_zero_offload_own"
 # model -> its state_dict pre-hook that lands the engine's delayed update (prepare_models)
@@ -116,9 +119,13 @@ class OffloadedOptimizer(AcceleratedOptimizer):
         """Mean milliseconds per step since the last call, then reset. ``fwd_bwd`` is the wall
         time between two optimizer steps: forward, backward and the loop's own work. A timing
         no step of the window measured is left out, not given as 0: the first step has no
-        ``fwd_bwd`` (no step before it to time from), so a window of that step alone has none."""
+        ``fwd_bwd`` (no step before it to time from), so a window of that step alone has none.
+        With ``overlap_step`` also ``hit_share``: the share of steps so far whose early updates
+        stood."""
         out = {f"{k}_ms": round(1e3 * v / self.counts[k], 3)
                for k, v in self.window.items() if self.counts[k]}
+        out.update({k: round(self.optimizer.timings[k], 4) for k in SHARES
+                    if k in self.optimizer.timings})
         self.window = dict.fromkeys(TIMINGS, 0.0)
         self.counts = dict.fromkeys(TIMINGS, 0)
         return out

@@ -9,7 +9,9 @@ on a fresh model in this process:
   - the same with ``delayed_update=True`` (no warm-up steps: every step's CPU-Adam overlaps
     the next forward and backward);
   - the same with ``overlap_step=True`` (each bucket's CPU-Adam during backward), without
-    clipping and with ``max_grad_norm=1.0`` (speculating the norm stays under it);
+    clipping and with ``max_grad_norm=1.0`` (speculating the norm stays under it); their
+    "hit rate" column is the share of steps whose early updates stood (the rest were undone
+    and redone at ``step()``);
   - with ``--offload_fractions 0,0.5,auto``: the same (not delayed) at each
     ``offload_fraction`` (the share of the state kept on the host; the rest is updated on
     the device); ``auto`` decides at the end of the first warm-up step;
@@ -56,13 +58,15 @@ DELAYED = ", delayed_update=True"
 OVERLAP, CLIPPED = ", overlap_step=True", ", max_grad_norm=1.0"
 FRACTION = ", offload_fraction="
 FSDP2_WAYS = (llama.FSDP2, llama.FSDP2_TORCH)
-HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "final loss"]
+HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "final loss",
+          "hit rate"]
 
 
 def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=None,
             deadline: float | None = None) -> dict:
     """One way on a fresh model (built on ``build_on``, default the device): ``make(model) ->
-    (step, finish)``; its figures. ``deadline`` (a ``time.perf_counter()`` value): past it no
+    (step, finish[, engine])``; its figures, with the overlapped schedule's speculation hit rate
+    over every step (warm-up included) where the engine has one. ``deadline`` (a ``time.perf_counter()`` value): past it no
     more warm-up step starts after the first, and no timed step after the first whose
     predicted end (the timed steps' mean so far) passes it; ``steps`` says how many were
     timed, so a way short of time still gives its figure instead of being killed."""
@@ -79,7 +83,9 @@ def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=N
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = llama.build_model(base, dtype, build_on or device)
-    step, finish = make(model)[:2]
+    made = make(model)
+    step, finish = made[:2]
+    engine = made[2] if len(made) > 2 else None
     ids = llama.token_ids(base, args.batch, args.seq, device)
     for i in range(args.warmup):
         if i and deadline is not None and time.perf_counter() >= deadline:
@@ -99,8 +105,9 @@ def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=N
     seconds, n = time.perf_counter() - t0, len(losses)
     out = {"way": name, "tokens_per_s": args.batch * args.seq * n / seconds,
            "ms_per_step": 1e3 * seconds / n, "final_loss": float(losses[-1]), "steps": n,
-           "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
-    del model, step, finish, losses
+           "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+           "hit_share": getattr(engine, "timings", {}).get("hit_share")}
+    del model, step, finish, engine, made, losses
     gc.collect()
     return out
 
@@ -118,8 +125,9 @@ def row(r: dict, amp: dict | None) -> list:
     """A table row; ``amp``: the AMP AdamW figures the ratio is against (None: n/a)."""
     vs = f"{r['tokens_per_s'] / amp['tokens_per_s']:.2f}" if amp else "n/a"
     peak = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") is not None else "n/a"
+    hit = f"{r['hit_share']:.2f}" if r.get("hit_share") is not None else "n/a"
     return [r["way"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", peak, vs,
-            f"{r['final_loss']:.3f}"]
+            f"{r['final_loss']:.3f}", hit]
 
 
 def ratio_line(results: list[dict]) -> str:

@@ -41,7 +41,9 @@ def test_practicality_rows_and_ratios():
     delayed = {**ours, "way": llama.ZOFFLOAD + gpu_practicality.DELAYED,
                "tokens_per_s": 20000.0}
     assert gpu_practicality.row(ours, amp) == [llama.ZOFFLOAD, "10,000", "205", "n/a", "0.25",
-                                               "10.400"]
+                                               "10.400", "n/a"]
+    overlapped = {**ours, "way": llama.ZOFFLOAD + gpu_practicality.OVERLAP, "hit_share": 0.625}
+    assert gpu_practicality.row(overlapped, amp)[-1] == "0.62"
     assert gpu_practicality.row(amp, None)[3:5] == ["30.00", "n/a"]
     line = gpu_practicality.ratio_line([amp, ours, delayed])
     assert line.startswith("ZeRO-Offload runs at 25.0% of AMP AdamW's tokens/s, 50.0% with "
@@ -93,6 +95,11 @@ def test_practicality_runs_its_three_ways_on_the_cpu(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["batch"] == 2 and len(saved["results"]) == 5
     assert all(r["tokens_per_s"] > 0 for r in saved["results"])
+    # the hit rate is the overlapped rows' own: the tiny model's norm stays under 1.0 or not,
+    # but each of its steps speculated (1 warm-up + 2 timed)
+    hits = [r.split(" | ")[-1].rstrip(" |") for r in rows]
+    assert hits[:3] == ["n/a"] * 3 and all(h != "n/a" for h in hits[3:])
+    assert saved["results"][3]["hit_share"] == 1.0  # no clipping: every step stood
 
 
 def test_fsdp2_line_compares_the_step_times():

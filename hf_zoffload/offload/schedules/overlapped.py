@@ -59,7 +59,9 @@ class Overlapped(Schedule):
         self._over = False  # speculation ended for this window
         self._partial = 0.0  # squared norm of the buckets checked so far (this rank's)
         self._warned = False
-        self.hits = self.speculated = 0  # steps whose early updates stood / had any
+        # steps whose speculation held (every early update stood) / was tried (had early
+        # updates, or ended early: a partial norm over the limit or a non-finite gradient)
+        self.hits = self.speculated = 0
         self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------ backward
@@ -208,14 +210,15 @@ class Overlapped(Schedule):
         self._account(early, stood=stood, t_fix=t_fix, eng=eng)
 
     def _account(self, early: dict, *, stood: bool, t_fix: float, eng: Steps) -> None:
-        if early:
+        if early or self._over:
             self.speculated += 1
-            self.hits += stood
+            self.hits += stood and not self._over
         host = sum(b.layout.shard for b in eng.buckets if b.tier is not Tier.DEVICE)
         self._last.update(correction=t_fix, early_share=sum(
             w.bucket.layout.shard for w in early.values()) / max(1, host),
             hidden_share=self._hidden / max(1, host))
-        self._last["hit_share"] = self.hits / self.speculated if self.speculated else 1.0
+        if self.speculated:  # none tried yet (every bucket on the device, say): no share
+            self._last["hit_share"] = self.hits / self.speculated
 
     def stats(self) -> dict[str, float]:
         out, self._last = self._last, {}
