@@ -65,11 +65,12 @@ HEADER = ["way", "tokens/s", "ms/step", "peak device GiB", "vs AMP AdamW", "fina
 def measure(name: str, make, *, base: dict, dtype: torch.dtype, args, build_on=None,
             deadline: float | None = None) -> dict:
     """One way on a fresh model (built on ``build_on``, default the device): ``make(model) ->
-    (step, finish[, engine])``; its figures, with the overlapped schedule's speculation hit rate
-    over every step (warm-up included) where the engine has one. ``deadline`` (a ``time.perf_counter()`` value): past it no
-    more warm-up step starts after the first, and no timed step after the first whose
-    predicted end (the timed steps' mean so far) passes it; ``steps`` says how many were
-    timed, so a way short of time still gives its figure instead of being killed."""
+    (step, finish[, engine])``; its figures, with the overlapped schedule's speculation hit
+    rate over every step (warm-up included) where the engine has one. ``deadline`` (a
+    ``time.perf_counter()`` value): past it no more warm-up step starts after the first, and
+    no timed step after the first whose predicted end (the timed steps' mean so far) passes
+    it; ``steps`` says how many were timed, so a way short of time still gives its figure
+    instead of being killed."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
