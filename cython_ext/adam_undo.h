@@ -17,8 +17,8 @@
  * Included by adam_kernel_body.h once per variant (HZ_FN names the functions); the argument
  * block is declared once, under its own guard. */
 
-#ifndef HF_ZOFFLOAD_ADAM_UNDO_ARGS
-#define HF_ZOFFLOAD_ADAM_UNDO_ARGS
+#ifndef HZ_UNDO_ARGS_DECLARED
+#define HZ_UNDO_ARGS_DECLARED
 /* Scalars as hf_zoffload.ops.adam_undo.undo_coefficients gives them: each an fp32 value (the
  * kernel's own, rounded once from double), widened exactly where the double ops use it. */
 typedef struct {
