@@ -34,11 +34,18 @@ import numbers
 import torch
 
 from ._native import ext as _ext
-from .adam_kernels import _check_buffer, _check_real, _f32, check_hyper
+from .adam_kernels import (
+    _GRAD_KIND,
+    _check_buffer,
+    _check_real,
+    _checked_variant,
+    _f32,
+    check_hyper,
+)
 
-__all__ = ["adam_undo", "adam_undo_reference", "adam_undo_unchecked", "undo_coefficients"]
+__all__ = ["adam_undo", "adam_undo_reference", "adam_undo_unchecked", "undo_coefficients",
+           "undo_reference_unchecked"]
 
-_GRAD_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # adam_kernel.h's kinds
 # Elements per float64 pass of the reference: 1 Mi (8 MiB per temporary) keeps a chunk's few
 # temporaries in a 32 MiB L3 rather than streaming 12 passes of the buffer through memory.
 _REF_CHUNK = 1 << 20
@@ -47,7 +54,8 @@ _REF_CHUNK = 1 << 20
 def undo_coefficients(step: int, lr: float, beta1: float, beta2: float, eps: float,
                       weight_decay: float, grad_scale: float) -> dict[str, float]:
     """The step's fp32 scalars (as adam_kernels.adam_update_unchecked derives them in double
-    before the kernel rounds them), each as the Python float of its fp32 value."""
+    before the kernel rounds them), each as the Python float of its fp32 value, and the
+    undo's reciprocals of decay, 1 - c and beta2 (from those values, rounded in double)."""
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     k = {"gs": _f32(grad_scale), "decay": _f32(1.0 - lr * weight_decay),
             "c": _f32(1.0 - beta1), "b2": _f32(beta2), "w2": _f32(1.0 - beta2),
@@ -93,21 +101,22 @@ def adam_undo(master, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1:
     ``num_threads`` (None: torch.get_num_threads()) and any split of the buffers; a NaN as a
     NaN (torch subtracts with an FMA, p + (-1) q, whose NaN is q's where both are; the pass's
     p - q keeps p's)."""
+    _undo(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+          eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, num_threads=num_threads)
+
+
+def _undo(master, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+          grad_scale=1.0, num_threads=None, variant="auto") -> None:
+    """adam_undo with a choice of compiled variant (tests compare them bit for bit)."""
     k = _check(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
                eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
                num_threads=num_threads)
-    adam_undo_unchecked(master, grad, exp_avg, exp_avg_sq, k, first=step == 1,
-                        num_threads=num_threads)
-
-
-def _undo(master, grad, exp_avg, exp_avg_sq, *, variant="auto", **kw) -> None:
-    """adam_undo with a choice of compiled variant (tests compare them bit for bit)."""
-    k = _check(master, grad, exp_avg, exp_avg_sq, **kw)
     ext = _ext()
+    _checked_variant()  # a -march=native build on another CPU, or no OpenMP: said once
     if variant not in ext.VARIANTS or not ext.variant_available(ext.VARIANTS[variant]):
         raise ValueError(f"kernel variant {variant!r} is not available here")
-    adam_undo_unchecked(master, grad, exp_avg, exp_avg_sq, k, first=kw["step"] == 1,
-                        num_threads=kw["num_threads"], variant=variant)
+    adam_undo_unchecked(master, grad, exp_avg, exp_avg_sq, k, first=step == 1,
+                        num_threads=num_threads, variant=variant)
 
 
 def adam_undo_unchecked(master, grad, exp_avg, exp_avg_sq, k: dict, *, first: bool,

@@ -79,8 +79,7 @@ def test_variants_bitwise_the_reference_at_any_offset(variant, dtype):
         g[:63488] = h[h.isfinite()]
     ref = _undone([t[5:] for t in after], g[5:], step=3, fn=au.adam_undo_reference)
     got = [t[5:].clone() for t in after]
-    au._undo(got[0], g[5:], got[1], got[2], step=3, variant=variant, num_threads=2,
-             grad_scale=1.0, **HP)
+    au._undo(got[0], g[5:], got[1], got[2], step=3, variant=variant, num_threads=2, **HP)
     _equal(got, ref)
 
 
@@ -198,4 +197,4 @@ def test_overlapping_buffers_rejected():
 def test_unknown_variant_rejected():
     z = [torch.zeros(8) for _ in range(4)]
     with pytest.raises(ValueError, match="variant"):
-        au._undo(*z, step=2, grad_scale=1.0, num_threads=1, variant="sse9", **HP)
+        au._undo(*z, step=2, variant="sse9", **HP)

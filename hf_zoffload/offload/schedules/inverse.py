@@ -34,7 +34,8 @@ U = 2.0**-24  # fp32's unit roundoff
 
 
 def coefficients(run, grad_scale: float) -> dict[str, float]:
-    """The kernel's fp32 scalars for ``run`` (`ops.adam_undo.undo_coefficients`)."""
+    """The kernel's fp32 scalars for ``run`` and the undo's double reciprocals
+    (`ops.adam_undo.undo_coefficients`)."""
     h = run.hyper
     return undo_coefficients(run.step, h["lr"], *h["betas"], h["eps"], h["weight_decay"],
                              grad_scale)
