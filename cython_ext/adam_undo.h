@@ -34,15 +34,16 @@ typedef void (*hz_undo_fn)(const hz_undo_args *a, size_t lo, size_t hi);
 #endif
 
 /* torch's clamp(min=0) of a double: below zero (-inf included) -> +0; NaN and -0 kept.  On the
- * bits, with a mask: gcc (12, under the default -ftrapping-math) will not if-convert a select
- * on a double compare, and the loop around it then stays scalar (measured 13x the step). */
+ * bits, as an int64 s: those are INT64_MIN < s <= -2^52 (-inf); -0 is INT64_MIN, a negative
+ * NaN above -2^52.  gcc (12, under the default -ftrapping-math) will not if-convert a select on
+ * a double compare, and the loop around it then stays scalar (measured 13x the step); this
+ * form costs 2 compares and a mask (3.5% of the pass at 10 M, 1 thread, Zen 3). */
 static inline uint64_t HZ_FN(hz_bits64)(double x) { uint64_t u; memcpy(&u, &x, 8); return u; }
 
 static inline double HZ_FN(hz_clamp0)(double x) {
-    uint64_t u = HZ_FN(hz_bits64)(x), a = u & 0x7fffffffffffffffull;
-    /* negative and 0 < |x| <= inf: a - 1 wraps for a == 0 */
-    uint64_t neg = (u >> 63) & (uint64_t)(a - 1u < 0x7ff0000000000000ull);
-    u &= neg - 1u;
+    int64_t s = (int64_t)HZ_FN(hz_bits64)(x);
+    uint64_t keep = (s == INT64_MIN) | (s > -((int64_t)1 << 52));
+    uint64_t u = (uint64_t)s & (0 - keep);
     memcpy(&x, &u, 8);
     return x;
 }
