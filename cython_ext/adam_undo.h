@@ -37,7 +37,8 @@ typedef void (*hz_undo_fn)(const hz_undo_args *a, size_t lo, size_t hi);
  * bits, as an int64 s: those are INT64_MIN < s <= -2^52 (-inf); -0 is INT64_MIN, a negative
  * NaN above -2^52.  gcc (12, under the default -ftrapping-math) will not if-convert a select on
  * a double compare, and the loop around it then stays scalar (measured 13x the step); this
- * form costs 2 compares and a mask (3.5% of the pass at 10 M, 1 thread, Zen 3). */
+ * form costs 2 compares and a mask: 18.5-19.3 ms at 10 M, 1 thread, Zen 3, against 17.5 with
+ * no clamp and 20.4-21.7 for a mask from |x| - 1 < inf (7 integer ops). */
 static inline uint64_t HZ_FN(hz_bits64)(double x) { uint64_t u; memcpy(&u, &x, 8); return u; }
 
 static inline double HZ_FN(hz_clamp0)(double x) {
