@@ -325,6 +325,28 @@ static hz_range_fn hz_select(int variant) {
     }
 }
 
+/* The undo pass (adam_undo.h) of a variant, as hz_select picks the step's. */
+static hz_undo_fn hz_select_undo(int variant) {
+    if (variant == HZ_AUTO) {
+        if (HZ_HAVE_NATIVE) return hz_select_undo(HZ_NATIVE);
+        if (hz_cpu_has(HZ_AVX512BF16)) return hz_select_undo(HZ_AVX512BF16);
+        if (hz_cpu_has(HZ_AVX2)) return hz_select_undo(HZ_AVX2);
+        return hz_select_undo(HZ_GENERIC);
+    }
+    if (!hz_cpu_has(variant)) return NULL;
+    switch (variant) {
+    case HZ_GENERIC: return hz_undo_range_generic;
+#if HZ_HAVE_NATIVE
+    case HZ_NATIVE: return hz_undo_range_native;
+#endif
+#if HZ_HAVE_CLONES
+    case HZ_AVX2: return hz_undo_range_avx2;
+    case HZ_AVX512BF16: return hz_undo_range_avx512bf16;
+#endif
+    default: return NULL;
+    }
+}
+
 /* Instruction sets each variant uses (auto-vectorized code and conversion intrinsics). */
 static int hz_variant_features(int variant) {
     switch (variant) {

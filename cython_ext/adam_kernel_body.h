@@ -299,6 +299,8 @@ static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
     else HZ_FN(hz_adam_range32)(a, lo, hi);
 }
 
+#include "adam_undo.h"  /* the overlapped schedule's undo of an fp32 step, per variant */
+
 #undef HZ_USE_F16C
 #undef HZ_USE_BF16HW
 #undef HZ_BF16_HW

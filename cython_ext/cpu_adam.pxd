@@ -57,6 +57,28 @@ cdef extern from "adam_kernel.h" nogil:
     ctypedef void (*hz_range_fn)(const hz_adam_args *a, size_t lo, size_t hi) noexcept nogil
 
     hz_range_fn hz_select(int variant)
+
+    # adam_undo.h: the undo of one fp32 step
+    ctypedef struct hz_undo_args:
+        float *param
+        float *exp_avg
+        float *exp_avg_sq
+        const void *grad
+        int grad_kind
+        int first
+        float grad_scale
+        float c
+        float w2
+        float rbc2
+        float eps
+        float ns
+        double r_decay
+        double r_omc
+        double r_beta2
+
+    ctypedef void (*hz_undo_fn)(const hz_undo_args *a, size_t lo, size_t hi) noexcept nogil
+
+    hz_undo_fn hz_select_undo(int variant)
     int hz_variant_features(int variant)
     int hz_openmp_compiled()
     int hz_portable_build()

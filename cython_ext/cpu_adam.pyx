@@ -65,6 +65,23 @@ cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
         fn(a, lo, hi)
 
 
+cdef void _undo_parallel(const hz_undo_args *a, hz_undo_fn fn, size_t n,
+                         int num_threads) noexcept nogil:
+    # The step's split (_adam_parallel): one contiguous chunk per thread, on a 64-byte line.
+    cdef size_t chunk, lo, hi
+    cdef Py_ssize_t c, nchunks
+    num_threads = _threads_for(n, num_threads)
+    if num_threads <= 1:
+        fn(a, 0, n)
+        return
+    chunk = _chunk_for(n, num_threads, ALIGN)
+    nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
+    for c in prange(nchunks, schedule="static", num_threads=num_threads):
+        lo = <size_t>c * chunk
+        hi = lo + chunk if lo + chunk < n else n
+        fn(a, lo, hi)
+
+
 cdef void _many_range(const hz_adam_args *args, const size_t *start, Py_ssize_t k,
                       hz_range_fn fn, size_t lo, size_t hi) noexcept nogil:
     # Elements [lo, hi) of the tensors laid end to end (tensor t holds [start[t], start[t + 1])):
@@ -236,6 +253,36 @@ def adam_step_many(list ptrs, list ns, list grad_kinds, list which, list scalars
     finally:
         free(tmpl)
         free(start)
+
+
+def adam_undo(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size_t n,
+              int grad_kind, bint first, double grad_scale, double c, double w2, double rbc2,
+              double eps, double ns, double r_decay, double r_omc, double r_beta2,
+              int num_threads, int variant):
+    """Undo one fp32 step over n elements in place (adam_undo.h), from the grad it read and
+    its scalars (hf_zoffload.ops.adam_undo.undo_coefficients: fp32 values, the three r_
+    reciprocals double); the GIL is released."""
+    cdef hz_undo_args a
+    cdef hz_undo_fn fn = hz_select_undo(variant)
+    if fn == NULL:
+        raise ValueError(f"kernel variant {variant} is not available in this build or CPU")
+    a.param = <float *>param
+    a.exp_avg = <float *>exp_avg
+    a.exp_avg_sq = <float *>exp_avg_sq
+    a.grad = <const void *>grad
+    a.grad_kind = grad_kind
+    a.first = first
+    a.grad_scale = <float>grad_scale
+    a.c = <float>c
+    a.w2 = <float>w2
+    a.rbc2 = <float>rbc2
+    a.eps = <float>eps
+    a.ns = <float>ns
+    a.r_decay = r_decay
+    a.r_omc = r_omc
+    a.r_beta2 = r_beta2
+    with nogil:
+        _undo_parallel(&a, fn, n, num_threads)
 
 
 # The ways of the 28-B ceiling pass (adam_kernel.h's HZ_TRAFFIC_*), by name.

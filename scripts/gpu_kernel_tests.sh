@@ -30,9 +30,11 @@ print(f"summary: {sys.argv[1]}: variants here {', '.join(variants)}; auto runs "
 EOF
     # test_scaling.py is not a CPU-Adam test: its CPU cases run Triton's interpreter, which
     # tests/conftest.py turns on only without CUDA; its gpu cases run in gpu_tests
-    # test_masters.py: the bf16 master's kernels (stochastic rounding), beside the fp32 ones
+    # test_masters.py: the bf16 master's kernels (stochastic rounding), beside the fp32 ones;
+    # test_adam_undo.py: the overlapped schedule's undo pass, every variant against its reference
     "$PY" -m pytest tests/ops/test_adam_kernels.py tests/ops/test_moments.py \
-        tests/ops/test_masters.py -m "not gpu" -q -p no:cacheprovider 2>&1 | tee "$out"
+        tests/ops/test_masters.py tests/ops/test_adam_undo.py -m "not gpu" -q \
+        -p no:cacheprovider 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     echo "summary: $1: $(grep -E '[0-9]+ (passed|failed|error)' "$out" | tail -n 1 \
         | tr -d '=' | sed 's/^ *//; s/ *$//')"

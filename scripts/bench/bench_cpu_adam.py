@@ -23,6 +23,10 @@ Rows per (size, threads):
                      int8 / int4 moments: 24 / 16 / 12 / 10 B (+ scales), the master read and
                      written in 2 B; a second table gives each bf16-master row against the
                      fp32-master row of the same moments, timed in the same rounds
+  ours undo          the overlapped schedule's correction (ops.adam_undo): one fp32-state step
+                     undone from its 16-bit grads, in place (26 B/param: the step's 28 less
+                     the 16-bit output), on buffers of its own; "vs fp32 state" is the
+                     engine's step of the same size against it, timed in the same rounds
   int8 ceiling       the memory ceiling of that int8 call: a compiled pass that reads and
                      writes in place the fp32 params, the 16-bit grads and the two code bytes
                      (16 B/param, no math); its "vs fp32 state" is the most bytes allow int8
@@ -58,6 +62,7 @@ import _interleave as il  # noqa: E402
 import hf_zoffload  # noqa: E402
 from hf_zoffload.commands.env import cpu_name  # noqa: E402
 from hf_zoffload.ops import adam_kernels as ca  # noqa: E402
+from hf_zoffload.ops import adam_undo as au  # noqa: E402
 from hf_zoffload.ops import moments as mo  # noqa: E402
 from hf_zoffload.optim.cpu_adam import CPUAdam  # noqa: E402
 
@@ -69,6 +74,7 @@ TORCH_FUSED = "torch AdamW(fused) fp32"
 TORCH_COMPOSED = "torch composed 16-bit"
 DS_FP32 = "DeepSpeedCPUAdam fp32"
 FP32_STATE = "ours fp32 state, out over grads"
+UNDO = "ours undo of an fp32-state step, from 16-bit grads"
 INT4_STATE = f"ours int4 state (block {mo.Q4BLOCK}), out over grads"
 M16_INT4 = f"ours bf16 master + int4 state (block {mo.Q4BLOCK}), out over grads"
 # (state_dtype, fp32-master row, bf16-master row): the second table compares each pair
@@ -121,8 +127,8 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
           qblocks: list[int], variant: str = "auto") -> tuple[list[tuple[str, float]], il.Rounds]:
     """[(row, nominal B/param)] in table order, and their times over ``rounds`` rounds.
 
-    The rows alternate, so every path's buffers live at once: 66 B/param with DeepSpeed, 58
-    without (5.8 GB at 100M params; one path at a time peaked at 36). Each traffic pass
+    The rows alternate, so every path's buffers live at once: 80 B/param with DeepSpeed, 72
+    without (7.2 GB at 100M params; one path at a time peaked at 36). Each traffic pass
     gets scratch of its own, so its adds never reach a buffer an Adam row reads."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -178,6 +184,16 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     add("ours 16-bit grad in + 16-bit out", ours(g16, o16), 28)
     g = g16.to(out16)  # the engine's buffer: grads in, new params out, one dtype
     add(FP32_STATE, ours(g, g), 28)
+    # The undo's own state (14 B/param): a state Adam could reach (|m| <= sqrt(v)) and grads
+    # of 1e-2, so that undoing over and over stays finite and off the subnormals for
+    # hundreds of rounds (m - g grows by 1 / beta1 a call, v drifts by 1e-7).
+    pu, gu = p.clone(), g16.to(out16)
+    mu = torch.randn(n, generator=gen) * 1e-3
+    vu = mu * mu * 2 + 1e-6
+    k_undo = au.undo_coefficients(10, HP["lr"], HP["beta1"], HP["beta2"], HP["eps"],
+                                  HP["weight_decay"], 1.0)
+    add(UNDO, lambda: au.adam_undo_unchecked(pu, gu, mu, vu, k_undo, first=False,
+                                             num_threads=threads, variant=variant), 26)
     mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
 
     def compact(mm, vv, scales=None, qblock=mo.QBLOCK, state_dtype=None):

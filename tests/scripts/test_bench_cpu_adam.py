@@ -62,6 +62,7 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
         assert list(got)[-1] == "int8 ceiling (read 8, write 8)"
         assert got["ours fp32 state, out over grads"] == 28
         assert got["ours bf16 state, out over grads"] == 20
+        assert got["ours undo of an fp32-state step, from 16-bit grads"] == 26
         assert got["ours int8 state (block 16), out over grads"] == 17  # + an fp32 scale / 16
         assert got["ours int8 state (block 256), out over grads"] == 16.0625
         assert got["ours int4 state (block 128), out over grads"] == 14.125  # nibbles, scales

@@ -171,6 +171,7 @@ case "$*" in
   *setup.py*) echo built;;
   *"-m pytest tests/ops/"*) [ -f tests/ops/test_adam_kernels.py ] || exit 4
     [[ "$*" == *" tests/ops/test_masters.py "* ]] || exit 7  # the bf16 master's kernels too
+    [[ "$*" == *" tests/ops/test_adam_undo.py "* ]] || exit 7  # and the undo pass
     echo "298 passed in 6.00s";;
   *"tests/gpu/test_race.py::test_race_under_the_cuda_sanitizer")
     [[ "$*" == *"$t"*"/pytest -s "* ]] || exit 6

@@ -175,7 +175,7 @@ class Overlapped(Schedule):
             t0 = time.perf_counter()
             with host_threads(eng.cpu_threads):
                 for w in early.values():
-                    undo(w)
+                    undo(w, threads=eng.cpu_threads)
             self._account(early, stood=False, t_fix=time.perf_counter() - t0, eng=eng)
             return
         check_betas(eng.buckets, eng.param_groups)
@@ -198,7 +198,7 @@ class Overlapped(Schedule):
                 if e is not None:
                     stood = False
                     t0 = time.perf_counter()
-                    undo(e)
+                    undo(e, threads=eng.cpu_threads)
                     t_fix += time.perf_counter() - t0
                 a, p = run([item], copier=eng.copier, threads=eng.cpu_threads,
                            publish=eng.exchange.publish, sr_seed=eng.sr_seed)
@@ -230,7 +230,7 @@ class Overlapped(Schedule):
         early, self._early = self._early, {}
         with host_threads(eng.cpu_threads):
             for w in early.values():
-                undo(w)
+                undo(w, threads=eng.cpu_threads)
 
     def discard(self, eng: Steps) -> None:
         self.settle(eng)
