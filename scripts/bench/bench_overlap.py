@@ -231,8 +231,25 @@ def _free_running(data, poison, plugin) -> dict:
     return {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(lo, ls)),
             "masters_abs": float((ov.masters() - sync.masters()).abs().max()),
             "skips_equal": ss == so,
-            "skips": sum(ss), "final": (lo[-1], ls[-1]),
+            "skips": sum(ss), "skips_ov": sum(so), "final": (lo[-1], ls[-1]),
             "hit": (sched.hits, sched.speculated)}
+
+
+def _control(data, poison, plugin) -> float:
+    """Two synchronous runs, the second's fp32 masters moved 1 ulp up after its first step:
+    the largest relative loss difference between them, what a 1-ulp difference alone grows
+    into over the same steps (the yardstick of the free-running columns)."""
+    a, b = _Run(overlap=False, **plugin), _Run(overlap=False, **plugin)
+    worst = 0.0
+    for i, ids in enumerate(data):
+        la, _ = a.step(ids, poison=_poisoned(i, poison))
+        lb, _ = b.step(ids, poison=_poisoned(i, poison))
+        worst = max(worst, abs(lb - la) / abs(la))
+        if i == 0:
+            for bucket in b.opt.buckets:
+                m = bucket.state.master
+                m.copy_(torch.nextafter(m, torch.full_like(m, float("inf"))))
+    return worst
 
 
 def _within_bound(sync, ov, prev, early, norm) -> float:
@@ -298,21 +315,25 @@ def fidelity(args) -> list[str]:
     torch.set_num_threads(1)
     data = _corpus_batches(args.steps, args.batch, args.seq)
     lines = ["| run | steps | hit rate | skips (equal) | free-running: max loss diff (rel), "
-             "masters max diff, final loss overlap / sync | lockstep: masters max diff "
+             "masters max diff, final loss overlap / sync | control: two synchronous runs, one "
+             "moved 1 ulp after step 1: max loss diff (rel) | lockstep: masters max diff "
              "after a held step / a corrected step (steps corrected) | lockstep: corrected "
              "steps' largest error / derived bound |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for label, plugin, poison in (
             ("bf16, max_grad_norm 1.0", dict(compute_dtype="bf16", max_grad_norm=1.0), 0),
             (f"fp16, max_grad_norm 1.0, inf every {args.inf_every} steps",
              dict(compute_dtype="fp16", max_grad_norm=1.0), args.inf_every)):
         f = _free_running(data, poison, plugin)
         k = _lockstep(data, poison, plugin)
+        ctl = _control(data, poison, plugin)
         hits, tried = f["hit"]
+        skips = f"{f['skips']} ({f['skips_equal']}"
+        skips += ")" if f["skips_equal"] else f", overlap {f['skips_ov']})"
         lines.append(
             f"| {label} | {len(data)} | {hits / max(1, tried):.2f} ({hits} of {tried}) | "
-            f"{f['skips']} ({f['skips_equal']}) | {f['loss_rel']:.1e}, "
-            f"{f['masters_abs']:.1e}, {f['final'][0]:.4f} / {f['final'][1]:.4f} | "
+            f"{skips} | {f['loss_rel']:.1e}, "
+            f"{f['masters_abs']:.1e}, {f['final'][0]:.4f} / {f['final'][1]:.4f} | {ctl:.1e} | "
             f"{k['stood_ulp']:.0f} ulp / {k['fixed_ulp']:.0f} ulp ({k['n_fixed']}) | "
             f"{k['share']:.2f} |")
     return lines

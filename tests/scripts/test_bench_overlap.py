@@ -30,11 +30,12 @@ def test_fidelity_rows_hold_what_they_say(capsys):
                                "--seq", "32"]) == 0
     header, *rows = _rows(capsys.readouterr().out)
     assert header[0] == "run" and len(rows) == 2
-    for _run, steps, _hit, skips, _free, lock, share in rows:
+    for _run, steps, _hit, skips, _free, control, lock, share in rows:
         assert steps == "4"
         held, corrected = lock.split(" / ")
         assert held == "0 ulp"
         assert float(share) <= 1.0
+        assert float(control) >= 0.0
         assert skips.endswith("(True)")
         assert int(corrected.split("(")[1].rstrip(")")) >= 1  # something was corrected
     assert rows[1][3] == "2 (True)"  # fp16: the two poisoned steps skipped, both ways
