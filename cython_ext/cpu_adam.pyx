@@ -47,105 +47,116 @@ cdef inline size_t _chunk_for(size_t n, int num_threads, size_t align) noexcept 
     return (chunk + align - 1) / align * align
 
 
+# Elements [lo, hi) of whatever ctx describes: the one shape every pass below splits.
+ctypedef void (*_part_fn)(const void *ctx, size_t lo, size_t hi) noexcept nogil
+
+
+cdef void _split(_part_fn part, const void *ctx, size_t n, int num_threads,
+                 size_t align) noexcept nogil:
+    # Every pass's split: [0, n) in one chunk per thread (_chunk_for, starts on a multiple of
+    # align), in one parallel region; in the caller's thread below 2 * MIN_PER_THREAD.
+    cdef size_t chunk, lo, hi
+    cdef Py_ssize_t c
+    num_threads = _threads_for(n, num_threads)
+    if num_threads <= 1:
+        part(ctx, 0, n)
+        return
+    chunk = _chunk_for(n, num_threads, align)
+    for c in prange(num_threads, schedule="static", num_threads=num_threads):
+        lo = <size_t>c * chunk
+        hi = lo + chunk if lo + chunk < n else n
+        if lo < hi:
+            part(ctx, lo, hi)
+
+
+cdef struct _adam_ctx:
+    const hz_adam_args *a
+    hz_range_fn fn
+
+
+cdef void _adam_part(const void *ctx, size_t lo, size_t hi) noexcept nogil:
+    cdef const _adam_ctx *x = <const _adam_ctx *>ctx
+    x.fn(x.a, lo, hi)
+
+
 cdef void _adam_parallel(const hz_adam_args *a, hz_range_fn fn, size_t n,
                          int num_threads) noexcept nogil:
-    cdef size_t chunk, lo, hi
-    cdef Py_ssize_t c, nchunks
-    num_threads = _threads_for(n, num_threads)
-    if num_threads <= 1:
-        fn(a, 0, n)
-        return
-    chunk = _chunk_for(n, num_threads,
-                       <size_t>a.qblock if (a.state_kind == HZ_Q8 or a.state_kind == HZ_Q4)
-                       and <size_t>a.qblock > ALIGN else ALIGN)
-    nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
-    for c in prange(nchunks, schedule="static", num_threads=num_threads):
-        lo = <size_t>c * chunk
-        hi = lo + chunk if lo + chunk < n else n
-        fn(a, lo, hi)
+    cdef _adam_ctx x
+    x.a = a
+    x.fn = fn
+    _split(_adam_part, &x, n, num_threads,
+           <size_t>a.qblock if (a.state_kind == HZ_Q8 or a.state_kind == HZ_Q4)
+           and <size_t>a.qblock > ALIGN else ALIGN)
 
 
-cdef void _undo_parallel(const hz_undo_args *a, hz_undo_fn fn, size_t n,
-                         int num_threads) noexcept nogil:
-    # The step's split (_adam_parallel): one contiguous chunk per thread, on a 64-byte line.
-    cdef size_t chunk, lo, hi
-    cdef Py_ssize_t c, nchunks
-    num_threads = _threads_for(n, num_threads)
-    if num_threads <= 1:
-        fn(a, 0, n)
-        return
-    chunk = _chunk_for(n, num_threads, ALIGN)
-    nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
-    for c in prange(nchunks, schedule="static", num_threads=num_threads):
-        lo = <size_t>c * chunk
-        hi = lo + chunk if lo + chunk < n else n
-        fn(a, lo, hi)
+cdef struct _undo_ctx:
+    const hz_undo_args *a
+    hz_undo_fn fn
 
 
-cdef void _many_range(const hz_adam_args *args, const size_t *start, Py_ssize_t k,
-                      hz_range_fn fn, size_t lo, size_t hi) noexcept nogil:
+cdef void _undo_part(const void *ctx, size_t lo, size_t hi) noexcept nogil:
+    cdef const _undo_ctx *x = <const _undo_ctx *>ctx
+    x.fn(x.a, lo, hi)
+
+
+cdef struct _many_ctx:
+    const hz_adam_args *args
+    const size_t *start
+    Py_ssize_t k
+    hz_range_fn fn
+
+
+cdef void _many_part(const void *ctx, size_t lo, size_t hi) noexcept nogil:
     # Elements [lo, hi) of the tensors laid end to end (tensor t holds [start[t], start[t + 1])):
-    # one call per tensor the range touches, on that tensor's part of it.
-    cdef Py_ssize_t a = 0, b = k, t, mid
+    # one call per tensor the range touches, on that tensor's part of it.  So one parallel
+    # region runs a whole list of tensors: many small ones cost one fork/join, not one each
+    # (or none run in parallel: each below MIN_PER_THREAD).
+    cdef const _many_ctx *x = <const _many_ctx *>ctx
+    cdef Py_ssize_t a = 0, b = x.k, t, mid
     cdef size_t end, h
     while b - a > 1:  # the last t with start[t] <= lo
         mid = (a + b) // 2
-        if start[mid] <= lo:
+        if x.start[mid] <= lo:
             a = mid
         else:
             b = mid
     t = a
-    while lo < hi and t < k:
-        end = start[t + 1]
+    while lo < hi and t < x.k:
+        end = x.start[t + 1]
         if end > lo:  # an empty tensor ends where it starts
             h = hi if hi < end else end
-            fn(&args[t], lo - start[t], h - start[t])
+            x.fn(&x.args[t], lo - x.start[t], h - x.start[t])
             lo = h
         t += 1
 
 
-cdef void _many_parallel(const hz_adam_args *args, const size_t *start, Py_ssize_t k,
-                         hz_range_fn fn, int num_threads) noexcept nogil:
-    # One parallel region over all the tensors: each thread one contiguous run of the elements
-    # laid end to end, across tensor boundaries, so a list of many small tensors costs one
-    # fork/join instead of one per tensor (or none run in parallel: each below MIN_PER_THREAD).
-    cdef size_t total = start[k], chunk, lo, hi
-    cdef Py_ssize_t c
-    num_threads = _threads_for(total, num_threads)
-    if num_threads <= 1:
-        _many_range(args, start, k, fn, 0, total)
-        return
-    chunk = _chunk_for(total, num_threads, ALIGN)
-    for c in prange(num_threads, schedule="static", num_threads=num_threads):
-        lo = <size_t>c * chunk
-        hi = lo + chunk if lo + chunk < total else total
-        if lo < hi:
-            _many_range(args, start, k, fn, lo, hi)
+cdef struct _traffic_ctx:
+    int kind
+    void *a
+    void *b
+    void *c
+    void *d
 
 
-cdef inline void _traffic_range(int kind, void *a, void *b, void *c, void *d, size_t lo,
-                                size_t hi) noexcept nogil:
-    if kind < 0:
-        hz_traffic8_range(<float *>a, <unsigned short *>b, <unsigned char *>c,
-                          <unsigned char *>d, lo, hi)
+cdef void _traffic_part(const void *ctx, size_t lo, size_t hi) noexcept nogil:
+    cdef const _traffic_ctx *x = <const _traffic_ctx *>ctx
+    if x.kind < 0:
+        hz_traffic8_range(<float *>x.a, <unsigned short *>x.b, <unsigned char *>x.c,
+                          <unsigned char *>x.d, lo, hi)
     else:
-        hz_traffic_range(kind, <float *>a, <float *>b, <float *>c, <const float *>d, lo, hi)
+        hz_traffic_range(x.kind, <float *>x.a, <float *>x.b, <float *>x.c, <const float *>x.d,
+                         lo, hi)
 
 
 cdef void _traffic_parallel(int kind, void *a, void *b, void *c, void *d, size_t n,
                             int num_threads) noexcept nogil:
-    cdef size_t chunk, lo, hi
-    cdef Py_ssize_t k, nchunks
-    num_threads = _threads_for(n, num_threads)
-    if num_threads <= 1:
-        _traffic_range(kind, a, b, c, d, 0, n)
-        return
-    chunk = _chunk_for(n, num_threads, ALIGN)  # the kernel's split, so the ceiling is comparable
-    nchunks = <Py_ssize_t>((n + chunk - 1) / chunk)
-    for k in prange(nchunks, schedule="static", num_threads=num_threads):
-        lo = <size_t>k * chunk
-        hi = lo + chunk if lo + chunk < n else n
-        _traffic_range(kind, a, b, c, d, lo, hi)
+    cdef _traffic_ctx x
+    x.kind = kind
+    x.a = a
+    x.b = b
+    x.c = c
+    x.d = d
+    _split(_traffic_part, &x, n, num_threads, ALIGN)  # the kernel's split: a comparable ceiling
 
 
 def adam_step(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size_t out16,
@@ -213,6 +224,7 @@ def adam_step_many(list ptrs, list ns, list grad_kinds, list which, list scalars
     cdef hz_adam_args *args = tmpl + nt
     cdef hz_adam_args *a
     cdef Py_ssize_t w
+    cdef _many_ctx many
     if tmpl == NULL or start == NULL:
         free(tmpl)
         free(start)
@@ -248,8 +260,12 @@ def adam_step_many(list ptrs, list ns, list grad_kinds, list which, list scalars
             args[i].grad = <const void *><size_t>ptrs[4 * i + 3]
             args[i].grad_kind = grad_kinds[i]
             start[i + 1] = start[i] + <size_t>ns[i]
+        many.args = args
+        many.start = start
+        many.k = k
+        many.fn = fn
         with nogil:
-            _many_parallel(args, start, k, fn, num_threads)
+            _split(_many_part, &many, start[k], num_threads, ALIGN)
     finally:
         free(tmpl)
         free(start)
@@ -281,8 +297,11 @@ def adam_undo(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad, size
     a.r_decay = r_decay
     a.r_omc = r_omc
     a.r_beta2 = r_beta2
+    cdef _undo_ctx x
+    x.a = &a
+    x.fn = fn
     with nogil:
-        _undo_parallel(&a, fn, n, num_threads)
+        _split(_undo_part, &x, n, num_threads, ALIGN)  # the step's split, on a 64-byte line
 
 
 # The ways of the 28-B ceiling pass (adam_kernel.h's HZ_TRAFFIC_*), by name.
