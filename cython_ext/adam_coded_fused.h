@@ -57,8 +57,9 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
             HZ_FN(hz_rest)(a, b0, b0 + n, mk);
             continue;
         }
-        const __m256 ms = _mm256_set1_ps(msf), nms = _mm256_set1_ps(-msf);
-        const __m256 us = _mm256_set1_ps(usf);
+        __m256 t[3];  /* the block's decode tables */
+        if (qk == HZ_Q8) HZ_FN(hz_q8_tables)(msf, usf, t);
+        else HZ_FN(hz_q4_tables)(msf, usf, t);
         __m256i mmax = _mm256_setzero_si256(), umax = _mm256_setzero_si256();
         for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
             size_t i = b0 + j;
@@ -68,15 +69,15 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
                 HZ_FN(hz_prefetch_codes)(mc, i + HZ_PREFETCH, j, qk);
                 HZ_FN(hz_prefetch_codes)(uc, i + HZ_PREFETCH, j, qk);
             }
-            __m256 md[2], ud[2];
-            if (qk == HZ_Q8) HZ_FN(hz_q8_dec16)(mc + i, uc + i, ms, nms, us, md, ud);
-            else HZ_FN(hz_q4_dec16)(mc + i / 2, uc + i / 2, ms, nms, us, md, ud);
+            __m256 md[2], vd[2];
+            if (qk == HZ_Q8) HZ_FN(hz_q8_dec16)(mc + i, uc + i, t, md, vd);
+            else HZ_FN(hz_q4_dec16)(mc + i / 2, uc + i / 2, t, md, vd);
             for (int h = 0; h < 2; ++h) {
                 size_t e = i + 8 * h;
                 __m256 g = _mm256_mul_ps(HZ_FN(hz_grad8)(grad, e, gk), gs);
                 if (l2_on) g = _mm256_fmadd_ps(l2, _mm256_mul_ps(HZ_FN(hz_p8)(a, e, mk), decay), g);
                 __m256 mi = _mm256_fmadd_ps(c, g, md[h]);
-                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(ud[h], ud[h]));
+                __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, vd[h]);
                 __m256 si = _mm256_sqrt_ps(vi);
                 _mm256_store_ps(mt + j + 8 * h, mi);
                 _mm256_store_ps(ut + j + 8 * h, si);

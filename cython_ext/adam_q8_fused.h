@@ -110,17 +110,27 @@ HZ_FN(hz_q8_enc32)(uint8_t *mc, uint8_t *uc, const float *mt, const float *ut, _
     HZ_FN(hz_q8_store32)(uc, HZ_FN(hz_q8_pack32)(ku[0], ku[1], ku[2], ku[3]), half);
 }
 
-/* Both moments of 16 elements from their 16 code bytes each (mc, uc: element 0's). */
+/* A block's decode constants (t: 3 vectors, what hz_q8_dec16 takes): exp_avg's scale ms, its
+ * negation, and exp_avg_sq's scale us (of sqrt(v)), each broadcast. */
+static inline void HZ_FN(hz_q8_tables)(float ms, float us, __m256 *t) {
+    t[0] = _mm256_set1_ps(ms);
+    t[1] = _mm256_set1_ps(-ms);
+    t[2] = _mm256_set1_ps(us);
+}
+
+/* Both moments of 16 elements from their 16 code bytes each (mc, uc: element 0's), exp_avg_sq
+ * as v (sqrt(v) decoded, squared), with the block's constants t (hz_q8_tables). */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz_q8_dec16)(const uint8_t *mc, const uint8_t *uc, __m256 ms, __m256 nms, __m256 us,
-                   __m256 *m, __m256 *u) {
+HZ_FN(hz_q8_dec16)(const uint8_t *mc, const uint8_t *uc, const __m256 *t, __m256 *m,
+                   __m256 *v) {
     const __m256i selm[2] = {HZ_Q8SEL(3, 0), HZ_Q8SEL(3, 8)};  /* code << 24 */
     const __m256i selu[2] = {HZ_Q8SEL(2, 0), HZ_Q8SEL(2, 8)};  /* code << 16 */
     __m256i bm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mc));
     __m256i bu = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)uc));
     for (int h = 0; h < 2; ++h) {
-        m[h] = HZ_FN(hz_q8_mdec)(_mm256_shuffle_epi8(bm, selm[h]), ms, nms);
-        u[h] = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), us);
+        m[h] = HZ_FN(hz_q8_mdec)(_mm256_shuffle_epi8(bm, selm[h]), t[0], t[1]);
+        __m256 u = HZ_FN(hz_q8_udec)(_mm256_shuffle_epi8(bu, selu[h]), t[2]);
+        v[h] = _mm256_mul_ps(u, u);
     }
 }
 
