@@ -15,8 +15,13 @@ time); with --elements past the caches (10M) the figure is a single thread's mem
 It prints no ratio between modes (the docs derive them from the figures).
 With --instructions it counts instead of timing: instructions per param inside the kernel, from
 valgrind's callgrind (the same under any load; blind to memory stalls).
+With --clock it also measures the core (`clock`): its clock under this load, from a chain of
+dependent integer adds (one cycle each), and the throughput of vsqrtps and vdivps on 8 fp32
+lanes (the two divider ops the update takes per 8 params), alone and interleaved, in cycles;
+the timing table then gives cycles per param too.  A virtual machine seldom lets perf count
+cycles, so this is how the docs turn ns into cycles.
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
-       [--instructions]
+       [--instructions] [--clock]
 """
 
 from __future__ import annotations
@@ -101,6 +106,85 @@ int main(int argc, char **argv) {
 """
 
 
+PROBE = r"""
+#include <stdio.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static const float ONE_HALF[8] = {1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f};
+
+/* Eight independent chains of the op on ymm0-7 per iteration (more chains than its latency
+ * over its throughput, so the time per op is its throughput), written in asm so that no
+ * compiler spills or reorders them.  sqrt of sqrt converges to 1 and 1.5 / x alternates
+ * between x and 1.5 / x: no subnormal operand. */
+#define SQRT8 "vsqrtps %%ymm0,%%ymm0\n vsqrtps %%ymm1,%%ymm1\n vsqrtps %%ymm2,%%ymm2\n" \
+    "vsqrtps %%ymm3,%%ymm3\n vsqrtps %%ymm4,%%ymm4\n vsqrtps %%ymm5,%%ymm5\n"              \
+    "vsqrtps %%ymm6,%%ymm6\n vsqrtps %%ymm7,%%ymm7\n"
+#define DIV8 "vdivps %%ymm0,%%ymm8,%%ymm0\n vdivps %%ymm1,%%ymm8,%%ymm1\n"                \
+    "vdivps %%ymm2,%%ymm8,%%ymm2\n vdivps %%ymm3,%%ymm8,%%ymm3\n"                          \
+    "vdivps %%ymm4,%%ymm8,%%ymm4\n vdivps %%ymm5,%%ymm8,%%ymm5\n"                          \
+    "vdivps %%ymm6,%%ymm8,%%ymm6\n vdivps %%ymm7,%%ymm8,%%ymm7\n"
+#define INIT "vmovups (%1),%%ymm8\n vmovaps %%ymm8,%%ymm0\n vmovaps %%ymm8,%%ymm1\n"       \
+    "vmovaps %%ymm8,%%ymm2\n vmovaps %%ymm8,%%ymm3\n vmovaps %%ymm8,%%ymm4\n"              \
+    "vmovaps %%ymm8,%%ymm5\n vmovaps %%ymm8,%%ymm6\n vmovaps %%ymm8,%%ymm7\n"
+#define TIME(body, out)                                                                   \
+    for (int r = 0; r < 3; ++r) {                                                         \
+        long i = n;                                                                       \
+        double t = now();                                                                 \
+        __asm__ volatile(INIT "1:\n" body "dec %0\n jnz 1b\n"                             \
+                         : "+r"(i) : "r"(ONE_HALF)                                        \
+                         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", \
+                           "xmm6", "xmm7", "xmm8");                                       \
+        t = now() - t;                                                                    \
+        if (t < out) out = t;                                                             \
+    }
+
+int main(void) {
+    long n = 200000000, x = 0;
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {  /* 4 dependent adds per iteration: 4 cycles */
+        double t = now();
+        for (long i = 0; i < n; ++i)
+            __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    double ghz = 4.0 * n / best / 1e9, sq = 1e30, dv = 1e30, both = 1e30;
+    n = 10000000;
+    TIME(SQRT8, sq)
+    TIME(DIV8, dv)
+    TIME(SQRT8 DIV8, both)  /* one after the other: do they share a unit? */
+    double per = 1e9 * ghz / (8.0 * n);  /* seconds -> cycles per op (8 ops an iteration) */
+    printf("%.4f %.3f %.3f %.3f\n", ghz, sq * per, dv * per, both * per);
+    return 0;
+}
+"""
+
+
+def clock() -> dict[str, float]:
+    """{"ghz": this core's clock now, "sqrt": cycles per vsqrtps of 8 lanes, "div": per
+    vdivps, "sqrt+div": per pair, the two interleaved (their sum where they share one unit)}
+    (PROBE); raises RuntimeError where it does not build (no C compiler, no AVX)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "probe.c", Path(tmp) / "probe"
+        src.write_text(PROBE)
+        build = subprocess.run([cc, "-O2", "-march=native", str(src), "-o", str(exe)],
+                               capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError(f"the clock probe did not build (it needs AVX):\n{build.stderr}")
+        out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    ghz, sq, div, both = (float(x) for x in out.split())
+    return {"ghz": ghz, "sqrt": sq, "div": div, "sqrt+div": both}
+
+
 def _spec(modes) -> list[str]:
     spec = []
     for _, master, state in modes:
@@ -168,6 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per param with valgrind's callgrind instead of "
                          "timing (--calls calls a mode, --rounds unused)")
+    ap.add_argument("--clock", action="store_true",
+                    help="also measure the core's clock and its vsqrtps / vdivps throughput, "
+                         "and give cycles per param")
     args = ap.parse_args(argv)
     if min(args.elements, args.calls, args.rounds) < 1:
         ap.error("--elements, --calls and --rounds must be positive")
@@ -178,11 +265,20 @@ def main(argv=None) -> int:
         for name, value in counts.items():
             print(f"| {name} | {value:.2f} |")
         return 0
+    core = clock() if args.clock else None
     ns = run(args.elements, args.calls, args.rounds)
-    print(f"| mode | ns/param ({args.elements} params, 1 thread, fastest of "
-          f"{args.rounds} x {args.calls} calls) |\n|---|---:|")
+    head = f"| mode | ns/param ({args.elements} params, 1 thread, fastest of " \
+           f"{args.rounds} x {args.calls} calls) |"
+    if core is None:
+        print(f"{head}\n|---|---:|")
+        for name, value in ns.items():
+            print(f"| {name} | {value:.3f} |")
+        return 0
+    print(f"core: {core['ghz']:.2f} GHz (dependent adds); vsqrtps {core['sqrt']:.2f}, "
+          f"vdivps {core['div']:.2f}, the pair {core['sqrt+div']:.2f} cycles per 8 lanes")
+    print(f"{head} cycles/param |\n|---|---:|---:|")
     for name, value in ns.items():
-        print(f"| {name} | {value:.3f} |")
+        print(f"| {name} | {value:.3f} | {value * core['ghz']:.2f} |")
     return 0
 
 

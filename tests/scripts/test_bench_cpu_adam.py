@@ -90,6 +90,18 @@ def test_kernel_loop_builds_and_times_every_state():
 
 
 @pytest.mark.slow
+def test_kernel_loop_clock_probe_measures_the_core():
+    """The probe's figures are a clock and two throughputs a CPU can have: a core between 0.5
+    and 8 GHz, vsqrtps and vdivps of 8 lanes between 1 and 60 cycles each, the pair
+    interleaved no faster than the slower of the two alone."""
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    core = loop["clock"]()
+    assert 0.5 < core["ghz"] < 8, core
+    assert 1 < core["sqrt"] < 60 and 1 < core["div"] < 60, core
+    assert 0.9 * max(core["sqrt"], core["div"]) < core["sqrt+div"] < 120, core
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="counting needs valgrind")
 def test_kernel_loop_counts_instructions_of_every_state():
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
