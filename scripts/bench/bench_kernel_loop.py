@@ -15,19 +15,22 @@ time); with --elements past the caches (10M) the figure is a single thread's mem
 It prints no ratio between modes (the docs derive them from the figures).
 With --instructions it counts instead of timing: instructions per param inside the kernel, from
 valgrind's callgrind (the same under any load; blind to memory stalls).
+With --kinds as well it splits each count by kind (`kinds`): vector ALU work, the divider
+(vsqrtps, vdivps), vector loads and stores, scalar instructions.
 With --clock it also measures the core (`clock`): its clock under this load, from a chain of
 dependent integer adds (one cycle each), and the throughput of vsqrtps and vdivps on 8 fp32
 lanes (the two divider ops the update takes per 8 params), alone and interleaved, in cycles;
 the timing table then gives cycles per param too.  A virtual machine seldom lets perf count
 cycles, so this is how the docs turn ns into cycles.
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
-       [--instructions] [--clock]
+       [--instructions [--kinds]] [--clock]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,14 +195,14 @@ def _spec(modes) -> list[str]:
     return [str(x) for x in spec]
 
 
-def _build(tmp: str) -> Path:
+def _build(tmp: str, extra: tuple[str, ...] = ()) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
     src, exe = Path(tmp) / "loop.c", Path(tmp) / "loop"
     src.write_text(DRIVER)
-    build = subprocess.run([cc, *FLAGS, "-I", str(ROOT / "cython_ext"), str(src), "-o",
-                            str(exe), "-lm"], capture_output=True, text=True)
+    build = subprocess.run([cc, *FLAGS, *extra, "-I", str(ROOT / "cython_ext"), str(src),
+                            "-o", str(exe), "-lm"], capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(f"the driver did not build:\n{build.stderr}")
     return exe
@@ -244,6 +247,81 @@ def instructions(elements: int, calls: int,
     return got
 
 
+KINDS = ("vector ALU", "divider", "vector load/store", "scalar")
+
+
+def _kind(mnemonic: str, operands: str) -> str:
+    """An instruction's kind (KINDS): vsqrtps / vdivps (the divider), a vector move or
+    broadcast with a memory operand (AT&T: a parenthesis), any other vector instruction
+    (register moves included), and the rest (loop, addresses, tests, scalar math)."""
+    if not mnemonic.startswith("v"):
+        return "scalar"
+    if re.match(r"v(sqrt|div)p", mnemonic):
+        return "divider"
+    if re.match(r"v(mov|broadcast|pbroadcast|maskmov)", mnemonic) and "(" in operands:
+        return "vector load/store"
+    return "vector ALU"
+
+
+def _costs(path: Path, obj: str) -> dict[int, int]:
+    """{instruction address: count} inside obj from a callgrind file written with
+    --dump-instr=yes: positions absolute (0x..) or relative (+n, -n, *) to the last one, the
+    cost line after a calls= line a callee's inclusive cost (skipped: the callee's own lines
+    count it)."""
+    names, cost, here, pos, after_call = {}, {}, None, 0, False
+    for line in path.read_text().splitlines():
+        named = re.match(r"c?ob=\((\d+)\)\s+(\S.*)", line)
+        if named:
+            names[named.group(1)] = named.group(2)
+        if line.startswith("ob="):
+            here = names[re.match(r"ob=\((\d+)\)", line).group(1)]
+        elif line.startswith("calls="):
+            after_call = True
+        elif line[:1].isdigit() or line[:1] in ("+", "-", "*"):
+            field = line.split()
+            if field[0].startswith("0x"):
+                pos = int(field[0], 16)
+            elif field[0][0] in "+-":
+                pos += int(field[0])
+            if after_call:
+                after_call = False
+            elif here == obj:
+                cost[pos] = cost.get(pos, 0) + int(field[-1])
+    return cost
+
+
+def kinds(elements: int, calls: int,
+          modes: list[tuple[str, str, str]] = MODES) -> dict[str, dict[str, float]]:
+    """{mode name: {kind: instructions per param}} (KINDS): callgrind's count of each of the
+    kernel's instructions, each named by objdump of the driver (built without PIE, so that
+    the two agree on addresses).  The kinds sum to instructions()'s total."""
+    valgrind, objdump = shutil.which("valgrind"), shutil.which("objdump")
+    if valgrind is None or objdump is None:
+        raise RuntimeError("--kinds needs valgrind and objdump on PATH")
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = _build(tmp, ("-no-pie",))
+        named = {}
+        for line in subprocess.run([objdump, "-d", "--no-show-raw-insn", str(exe)],
+                                   capture_output=True, text=True, check=True).stdout.splitlines():
+            ins = re.match(r"\s+([0-9a-f]+):\s+(\S+)\s*(.*)", line)
+            if ins:
+                named[int(ins.group(1), 16)] = _kind(ins.group(2), ins.group(3))
+        for mode in modes:
+            out = Path(tmp) / "callgrind.out"
+            subprocess.run([valgrind, "--tool=callgrind", "--dump-instr=yes",
+                            "--toggle-collect=hz_adam_range*", "--toggle-collect=hz_m16_range*",
+                            f"--callgrind-out-file={out}", str(exe), str(elements), str(calls),
+                            "1", *_spec([mode])], capture_output=True, text=True, check=True)
+            per = dict.fromkeys(KINDS, 0.0)
+            for address, n in _costs(out, str(exe)).items():
+                per[named.get(address, "scalar")] += n / (elements * calls)
+            if not sum(per.values()):
+                raise RuntimeError("callgrind counted nothing inside the driver")
+            got[mode[0]] = per
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--elements", type=int, default=65536, help="buffer size, in params")
@@ -252,12 +330,26 @@ def main(argv=None) -> int:
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per param with valgrind's callgrind instead of "
                          "timing (--calls calls a mode, --rounds unused)")
+    ap.add_argument("--kinds", action="store_true",
+                    help="with --instructions: split each mode's count by kind (vector ALU, "
+                         "divider, vector load/store, scalar)")
     ap.add_argument("--clock", action="store_true",
                     help="also measure the core's clock and its vsqrtps / vdivps throughput, "
                          "and give cycles per param")
     args = ap.parse_args(argv)
     if min(args.elements, args.calls, args.rounds) < 1:
         ap.error("--elements, --calls and --rounds must be positive")
+    if args.kinds and not args.instructions:
+        ap.error("--kinds splits the count of --instructions: give both")
+    if args.kinds:
+        split = kinds(args.elements, args.calls)
+        print(f"| mode | instructions/param ({args.elements} params, 1 thread, callgrind, "
+              f"{args.calls} calls) | " + " | ".join(KINDS) + " |\n|---|---:|"
+              + "---:|" * len(KINDS))
+        for name, per in split.items():
+            print(f"| {name} | {sum(per.values()):.2f} | "
+                  + " | ".join(f"{per[k]:.2f}" for k in KINDS) + " |")
+        return 0
     if args.instructions:
         counts = instructions(args.elements, args.calls)
         print(f"| mode | instructions/param ({args.elements} params, 1 thread, callgrind, "

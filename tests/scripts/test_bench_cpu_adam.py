@@ -111,3 +111,21 @@ def test_kernel_loop_counts_instructions_of_every_state():
     # the vector kernels: a few instructions per param, more where moments are coded
     assert all(1 < v < 40 for v in counts.values()), counts
     assert counts["fp32 master, fp32 state"] < counts["fp32 master, int8 state"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("objdump") is None,
+                    reason="the split needs valgrind and objdump")
+def test_kernel_loop_splits_the_count_by_kind():
+    """The kinds add up to the count, and every mode takes the update's one vsqrtps and one
+    vdivps per 8 params: 0.25 divider instructions per param."""
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    modes = [m for m in loop["MODES"] if m[0] in ("fp32 master, fp32 state",
+                                                   "bf16 master, int4 state")]
+    split = loop["kinds"](4096, 1, modes)
+    total = loop["instructions"](4096, 1, modes)
+    for name, per in split.items():
+        assert list(per) == list(loop["KINDS"]), per
+        assert sum(per.values()) == pytest.approx(total[name], rel=0.02), (name, per, total)
+        assert per["divider"] == pytest.approx(0.25, abs=0.01), (name, per)
+        assert per["vector ALU"] > 1 and per["scalar"] > 0, (name, per)
