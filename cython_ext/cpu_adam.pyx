@@ -309,6 +309,18 @@ TRAFFIC_KINDS = {"plain": 0, "unroll 4": 1, "prefetch 512": 2, "prefetch 2048": 
                  "streaming stores": 4}
 
 
+def bump_steps(list ptrs):
+    """Add 1 to the float32 at each address, then read each back as an int: what
+    torch._foreach_add_(steps, 1.0) and torch.stack(steps).tolist() give, an address listed
+    twice included (both adds land before any read)."""
+    cdef Py_ssize_t i, n = len(ptrs)
+    cdef float *f
+    for i in range(n):
+        f = <float *><size_t>ptrs[i]
+        f[0] = f[0] + 1.0
+    return [int((<float *><size_t>ptrs[i])[0]) for i in range(n)]
+
+
 def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threads,
                  int kind=HZ_TRAFFIC_PLAIN):
     """Memory ceiling: a += d; b += d; c += d over fp32 buffers (reads 4 streams, writes 3),

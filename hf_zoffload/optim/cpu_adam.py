@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from hf_zoffload.ops.adam_kernels import (
     adam_update_many_unchecked,
+    bump_steps,
     check_disjoint,
     check_hyper,
     many_buffers,
@@ -229,8 +230,7 @@ class CPUAdam(Optimizer):
         # One parallel region over every param (adam_update_many), not one call per param: a
         # Llama's hundreds of tensors, many of a few thousand elements, each paid a fork/join
         # and ~100 us of Python.  The steps as torch.optim keeps them, float32 tensors.
-        torch._foreach_add_(steps, 1.0)
-        counts = [int(c) for c in torch.stack(steps).tolist()]
+        counts = bump_steps(steps)
         adam_update_many_unchecked(bufs, steps=counts, hypers=hypers)
         # The kernel writes through raw pointers; tell autograd the tensors changed.
         torch.autograd.graph.increment_version(params + ms + vs)

@@ -459,3 +459,31 @@ def test_many_bad_input_raises_before_any_work(change, exc, text):
     case = list(_many_case())
     change(case)
     _many_raises(case, exc, text)
+
+
+def _torch_bump(steps):
+    torch._foreach_add_(steps, 1.0)
+    return [int(c) for c in torch.stack(steps).tolist()]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: [torch.tensor(float(k)) for k in (0, 1, 41, 2 ** 24 - 1, 2 ** 24)],
+    lambda: [torch.tensor(2.0, dtype=torch.float64)] * 2,     # float64: torch's ops
+    lambda: [torch.tensor(5.0), torch.tensor(6.0, dtype=torch.float64)],
+], ids=["float32 up to 2^24", "float64 shared", "mixed"])
+def test_bump_steps_matches_torch_foreach_add(make):
+    """bump_steps gives the counts and leaves the tensors as torch's _foreach_add_ and stack
+    do, on the compiled path (float32) and on torch's (anything else), 2^24 + 1 rounding to
+    2^24 in float32 as it does in torch."""
+    steps, ref = make(), make()
+    assert ca.bump_steps(steps) == _torch_bump(ref)
+    for got, want in zip(steps, ref):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_bump_steps_adds_twice_to_a_step_listed_twice_before_reading():
+    a, b = torch.tensor(3.0), torch.tensor(7.0)
+    ra, rb = a.clone(), b.clone()
+    v = a._version
+    assert ca.bump_steps([a, b, a]) == _torch_bump([ra, rb, ra]) == [5, 8, 5]
+    assert a.item() == 5.0 and b.item() == 8.0 and a._version > v  # bumped, as in-place ops do
