@@ -341,6 +341,8 @@ def main(argv=None) -> int:
         ap.error("--elements, --calls and --rounds must be positive")
     if args.kinds and not args.instructions:
         ap.error("--kinds splits the count of --instructions: give both")
+    if args.clock and args.instructions:
+        ap.error("--clock goes with the timing; --instructions counts instead: give one")
     if args.kinds:
         split = kinds(args.elements, args.calls)
         print(f"| mode | instructions/param ({args.elements} params, 1 thread, callgrind, "

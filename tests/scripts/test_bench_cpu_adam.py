@@ -129,3 +129,12 @@ def test_kernel_loop_splits_the_count_by_kind():
         assert sum(per.values()) == pytest.approx(total[name], rel=0.02), (name, per, total)
         assert per["divider"] == pytest.approx(0.25, abs=0.01), (name, per)
         assert per["vector ALU"] > 1 and per["scalar"] > 0, (name, per)
+
+
+@pytest.mark.parametrize("argv", [["--kinds"], ["--instructions", "--clock"]])
+def test_kernel_loop_refuses_options_it_would_ignore(argv, capsys):
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    with pytest.raises(SystemExit) as e:
+        loop["main"](argv)
+    assert e.value.code == 2
+    assert "give" in capsys.readouterr().err
