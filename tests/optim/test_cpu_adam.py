@@ -9,12 +9,13 @@ relative.  Only fp32 grads here: torch refuses a .grad of another dtype than the
 
 import copy
 import io
+import types
 
 import pytest
 import torch
 
 from hf_zoffload.ops.adam_kernels import adam_update, adam_update_reference
-from hf_zoffload.optim.cpu_adam import CPUAdam
+from hf_zoffload.optim.cpu_adam import CPUAdam, _check_grad, _check_param, _check_state, _fast_ok
 
 SHAPES = [(1,), (7,), (22,), (4097,), (7, 3), (3, 5, 2)]
 
@@ -240,6 +241,70 @@ def test_non_contiguous_grad_raises_before_any_state():
     _set_grads(params, 1)
     params[4].grad = torch.zeros(3, 7).t()
     _assert_step_raises_untouched(opt, params, ValueError, "gradient of parameter 4.*contiguous")
+
+
+def _case(name):
+    """(param, grad, state) for a case of test_fast_check_agrees_with_the_named_checks; every
+    case but "good" and "fresh state" breaks one condition.  The grad is not set as p.grad:
+    torch refuses one of another dtype or shape there, yet a grad may come so (p.data
+    replaced after backward, a grad_dtype of None)."""
+    p = torch.zeros(7, 3)
+    g = torch.zeros(7, 3, dtype=torch.bfloat16)
+    state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(7, 3),
+             "exp_avg_sq": torch.zeros(7, 3)}
+    if name == "fresh state":
+        state = {}
+    elif name == "grad of the same numel, another shape":
+        g = torch.zeros(3, 7)
+    elif name == "grad of another dtype":
+        g = torch.zeros(7, 3, dtype=torch.float64)
+    elif name == "non-contiguous grad":
+        g = torch.zeros(3, 7).t()
+    elif name == "sparse grad":
+        g = torch.zeros(7, 3).to_sparse()
+    elif name == "non-contiguous param":
+        p = torch.zeros(3, 7).t()
+    elif name == "float64 param":
+        p = torch.zeros(7, 3, dtype=torch.float64)
+    elif name == "meta param":
+        p = torch.zeros(7, 3, device="meta")
+    elif name == "exp_avg of the same numel, another shape":
+        state["exp_avg"] = torch.zeros(21)
+    elif name == "exp_avg_sq of another dtype":
+        state["exp_avg_sq"] = torch.zeros(7, 3, dtype=torch.bfloat16)
+    elif name == "non-contiguous exp_avg":
+        state["exp_avg"] = torch.zeros(3, 7).t()
+    elif name == "no step":
+        del state["step"]
+    elif name == "exp_avg not a tensor":
+        state["exp_avg"] = [0.0] * 21
+    else:
+        assert name == "good"
+    return p, g, state
+
+
+@pytest.mark.parametrize("name", [
+    "good", "fresh state", "grad of the same numel, another shape", "grad of another dtype",
+    "non-contiguous grad", "sparse grad", "non-contiguous param", "float64 param", "meta param",
+    "exp_avg of the same numel, another shape", "exp_avg_sq of another dtype",
+    "non-contiguous exp_avg", "no step", "exp_avg not a tensor"])
+def test_fast_check_agrees_with_the_named_checks(name):
+    """step() trusts _fast_ok and runs the kernel on raw pointers: it must be False whenever
+    a named check would raise, and True in the cases they pass (else step pays for them)."""
+    p, g, state = _case(name)
+
+    def named():
+        _check_param(p, "p")
+        _check_grad(types.SimpleNamespace(grad=g, shape=p.shape), "p")  # what it reads of p
+        _check_state(state, p, "p")
+
+    if name in ("good", "fresh state"):
+        named()
+        assert _fast_ok(p, g, state)
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            named()
+        assert not _fast_ok(p, g, state)
 
 
 def test_changed_group_hyperparameter_raises_at_step():
