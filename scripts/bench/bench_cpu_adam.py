@@ -58,6 +58,7 @@ if HERE not in sys.path:  # run with runpy (the tests) rather than as a script
     sys.path.insert(0, HERE)
 
 import _interleave as il  # noqa: E402
+import _placement as pl  # noqa: E402
 
 import hf_zoffload  # noqa: E402
 from hf_zoffload.commands.env import cpu_name  # noqa: E402
@@ -128,8 +129,10 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     """[(row, nominal B/param)] in table order, and their times over ``rounds`` rounds.
 
     The rows alternate, so every path's buffers live at once: 80 B/param with DeepSpeed, 72
-    without (7.2 GB at 100M params; one path at a time peaked at 36). Each traffic pass
-    gets scratch of its own, so its adds never reach a buffer an Adam row reads."""
+    without (7.2 GB at 100M params; one path at a time peaked at 36), twice that for a moment
+    while they are moved to memory touched in stripes (_placement.py: on a VM, buffers
+    allocated one after another ran a pass 1.0-1.33x as slow). Each traffic pass gets scratch
+    of its own, so its adds never reach a buffer an Adam row reads."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
@@ -206,8 +209,10 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
 
     add("ours bf16 state, out over grads", compact(mb, vb), 20)
     mc, vc = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    all_scales = []
     for qb in qblocks:
         scales = (torch.zeros(-(-n // qb)), torch.zeros(-(-n // qb)))
+        all_scales += scales
         add(f"ours int8 state (block {qb}), out over grads", compact(mc, vc, scales, qb),
             16 + 16 / qb)
     m4, v4 = (torch.zeros(mo.n_codes4(n), dtype=torch.uint8) for _ in range(2))
@@ -237,6 +242,12 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
     cm, cv = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     add("int8 ceiling (read 8, write 8)", lambda: ext.traffic_pass_q8(
         sa.data_ptr(), o16.data_ptr(), cm.data_ptr(), cv.data_ptr(), n, threads), 16)
+    for _, fn, _ in rows:  # creates the optimizers' state, moved with the rest below
+        fn()
+    states = [t for o in ([opt, ds] if ds_cls is not None else [opt])
+              for t in o.state[param].values() if isinstance(t, torch.Tensor)]
+    pl.restripe([p, m, v, g32, g16, o16, sa, sb, sc, param, param.grad, *states, g, pu, gu,
+                 mu, vu, mb, vb, mc, vc, *all_scales, m4, v4, *s4, p16, g16b, *sq, cm, cv])
     timed = il.interleave([(name, fn) for name, fn, _ in rows], rounds)
     ways = [name for name, _, _ in rows if name.startswith(CEILING_PASS)]
     best = [min(timed.seconds[w][r] for w in ways) for r in range(rounds)]
@@ -270,6 +281,10 @@ def bench_llama(div: int, threads: int, rounds: int) -> tuple[int, int, il.Round
     opts = {LLAMA_OURS: CPUAdam(ours, lr=HP["lr"], weight_decay=HP["weight_decay"]),
             LLAMA_TORCH: torch.optim.AdamW(theirs, lr=HP["lr"], weight_decay=HP["weight_decay"],
                                            fused=True)}
+    for opt in opts.values():  # creates the state, moved with the params (_placement.py)
+        opt.step()
+    pl.restripe([t for opt in opts.values() for p, st in opt.state.items()
+                 for t in (p, p.grad, *st.values()) if isinstance(t, torch.Tensor)])
     timed = il.interleave([(name, opt.step) for name, opt in opts.items()], rounds)
     return len(shapes), sum(p.numel() for p in ours), timed
 
