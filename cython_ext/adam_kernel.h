@@ -473,6 +473,21 @@ static void hz_traffic_range(int kind, float *restrict a, float *restrict b, flo
     }
 }
 
+/* The engine's call over fp32 moments (28 B/param, the bytes of the 4-read, 3-write passes
+ * above in another shape): the fp32 params and both moments and the 16-bit grads (the new
+ * params written over them), each read and written in place.  It reads 14 B where those read
+ * 16, and a core that is short of reads in flight moves it faster: 1 thread, 100M params, the
+ * Xeon of family 6 model 167, 106.8 ms against 118.6 for the plain pass (medians of 7). */
+static void hz_traffic16_range(float *restrict p, float *restrict m, float *restrict v,
+                               uint16_t *restrict g, size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+        p[i] += 1.0f;
+        m[i] += 1.0f;
+        v[i] += 1.0f;
+        g[i] += 1u;
+    }
+}
+
 /* The same for the engine's call over 8-bit moments (16 B/param): the fp32 params, the 16-bit
  * grads (new params written over them) and the two code bytes, each read and written in place
  * (the per-block scales, 1/16 B/param, left out). */

@@ -94,5 +94,7 @@ cdef extern from "adam_kernel.h" nogil:
                          unsigned int first)
     void hz_traffic_range(int kind, float *a, float *b, float *c, const float *d, size_t lo,
                           size_t hi)
+    void hz_traffic16_range(float *p, float *m, float *v, unsigned short *g, size_t lo,
+                            size_t hi)
     void hz_traffic8_range(float *p, unsigned short *g, unsigned char *mc, unsigned char *uc,
                            size_t lo, size_t hi)

@@ -140,7 +140,10 @@ cdef struct _traffic_ctx:
 
 cdef void _traffic_part(const void *ctx, size_t lo, size_t hi) noexcept nogil:
     cdef const _traffic_ctx *x = <const _traffic_ctx *>ctx
-    if x.kind < 0:
+    if x.kind == -2:
+        hz_traffic16_range(<float *>x.a, <float *>x.b, <float *>x.c, <unsigned short *>x.d,
+                           lo, hi)
+    elif x.kind < 0:
         hz_traffic8_range(<float *>x.a, <unsigned short *>x.b, <unsigned char *>x.c,
                           <unsigned char *>x.d, lo, hi)
     else:
@@ -329,6 +332,15 @@ def traffic_pass(size_t a, size_t b, size_t c, size_t d, size_t n, int num_threa
         raise ValueError(f"traffic kind {kind}: one of {sorted(TRAFFIC_KINDS.values())}")
     with nogil:
         _traffic_parallel(kind, <void *>a, <void *>b, <void *>c, <void *>d, n, num_threads)
+
+
+def traffic_pass16(size_t param, size_t exp_avg, size_t exp_avg_sq, size_t grad16, size_t n,
+                   int num_threads):
+    """Memory ceiling of the engine's call over fp32 moments: fp32 params and moments and
+    16-bit grads, each read and written in place (28 B/param, 14 of them read)."""
+    with nogil:
+        _traffic_parallel(-2, <void *>param, <void *>exp_avg, <void *>exp_avg_sq,
+                          <void *>grad16, n, num_threads)
 
 
 def traffic_pass_q8(size_t param, size_t grad16, size_t m_codes, size_t v_codes, size_t n,

@@ -4,10 +4,13 @@
 Rows per (size, threads):
   ceiling            measured memory ceiling for Adam's traffic: the fastest in each round of
                      the "ceiling pass" rows, compiled passes with the kernel's flags and
-                     chunking that read 4 fp32 arrays and write 3 in place (a += d; b += d;
-                     c += d), i.e. the 28 B/param of one Adam pass and no math, each moving the
-                     bytes another way: a plain loop, unrolled 4 times, with software prefetch
-                     512 or 2048 elements ahead, with streaming (non-temporal) stores
+                     chunking that move the 28 B/param of one Adam pass and do no math, each
+                     another way: five read 4 fp32 arrays and write 3 in place (a += d; b +=
+                     d; c += d; torch's shape): a plain loop, unrolled 4 times, with software
+                     prefetch 512 or 2048 elements ahead, with streaming (non-temporal)
+                     stores; one has the engine's shape, three fp32 arrays and one 16-bit
+                     array each read and written in place (14 B read where those read 16: on
+                     a core short of reads in flight it is the fastest)
   torch fused fp32   torch.optim.AdamW(fused=True), fp32 grads (28 B/param)
   torch composed     the offload path in torch: 16-bit grad copy_ into a preallocated fp32 grad,
                      fused AdamW step, copy_ of the param to 16 bit (40 B/param)
@@ -69,8 +72,9 @@ from hf_zoffload.optim.cpu_adam import CPUAdam  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-CEILING = "ceiling (read 4, write 3): the fastest pass below, per round"
+CEILING = "ceiling (28 B): the fastest pass below, per round"
 CEILING_PASS = "ceiling pass,"
+ENGINE_SHAPE = f"{CEILING_PASS} the engine's shape (fp32 x3 and 16-bit, read and written)"
 TORCH_FUSED = "torch AdamW(fused) fp32"
 TORCH_COMPOSED = "torch composed 16-bit"
 DS_FP32 = "DeepSpeedCPUAdam fp32"
@@ -154,6 +158,9 @@ def bench(n: int, threads: int, rounds: int, grad16: torch.dtype, out16: torch.d
 
     for way, kind in ext.TRAFFIC_KINDS.items():  # CEILING: the fastest of them in each round
         add(f"{CEILING_PASS} {way}", traffic(kind), 28)
+    # the engine's shape: three fp32 streams and o16 (read by no Adam row), read and written
+    add(ENGINE_SHAPE, lambda: ext.traffic_pass16(sa.data_ptr(), sb.data_ptr(), sc.data_ptr(),
+                                                 o16.data_ptr(), n, threads), 28)
 
     param = torch.nn.Parameter(p.clone())
     param.grad = g32.clone()

@@ -42,10 +42,11 @@ def test_bench_prints_every_row_with_its_bytes(capsys):
     table = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
              if line.startswith("| 0.004M |")]
     assert all(len(r) == len(cols) for r in table)
-    ceiling = "ceiling (read 4, write 3): the fastest pass below, per round"
+    ceiling = "ceiling (28 B): the fastest pass below, per round"
     ways = [r for r in table if r[2].startswith("ceiling pass, ")]
     assert sorted(r[2][len("ceiling pass, "):] for r in ways) == sorted(
-        ["plain", "unroll 4", "prefetch 512", "prefetch 2048", "streaming stores"] * 2)
+        ["plain", "unroll 4", "prefetch 512", "prefetch 2048", "streaming stores",
+         "the engine's shape (fp32 x3 and 16-bit, read and written)"] * 2)
     for r in ways:  # the ceiling is the fastest pass of each round: no pass above it
         assert float(r[7]) <= 1.0, r
     for r in table:  # each reference against itself, in the same round: exactly 1
