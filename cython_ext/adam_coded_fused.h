@@ -41,7 +41,8 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
     float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
     const void *grad = a->grad;
-    const void *pp = mk == HZ_BF16 ? (const void *)a->master16 : (const void *)a->param;
+    void *pm = mk == HZ_BF16 ? (void *)a->master16 : (void *)a->param;  /* hz_p8 */
+    uint16_t *out = (uint16_t *)a->out16;
     const __m256 gs = _mm256_set1_ps(a->grad_scale), decay = _mm256_set1_ps(a->decay);
     const __m256 l2 = _mm256_set1_ps(a->l2), c = _mm256_set1_ps(a->one_minus_beta1);
     const __m256 omb2 = _mm256_set1_ps(a->one_minus_beta2);
@@ -49,7 +50,7 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
     const __m256 ns = _mm256_set1_ps(a->neg_step), icap = _mm256_set1_ps(a->inv_ratio_cap);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const size_t bs = (size_t)a->qblock;
-    const int pf = hi - lo >= HZ_PREFETCH_MIN;
+    const size_t pf_end = HZ_FN(hz_prefetch_end)(lo, hi);
     for (size_t b0 = lo; b0 < hi; b0 += bs) {
         size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
         const float msf = a->m_scale[blk] * a->beta1, usf = a->v_scale[blk] * a->sqrt_beta2;
@@ -63,8 +64,8 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
         __m256i mmax = _mm256_setzero_si256(), umax = _mm256_setzero_si256();
         for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
             size_t i = b0 + j;
-            if (pf && i + HZ_PREFETCH + 16 <= hi) {  /* p: for pass 2 of a later block */
-                HZ_FN(hz_prefetch)(pp, i + HZ_PREFETCH, mk == HZ_BF16 ? 2 : 4, j);
+            if (i < pf_end) {  /* p: for pass 2 of a later block */
+                HZ_FN(hz_prefetch)(pm, i + HZ_PREFETCH, mk == HZ_BF16 ? 2 : 4, j);
                 HZ_FN(hz_prefetch)(grad, i + HZ_PREFETCH, gk == HZ_F32 ? 4 : 2, j);
                 HZ_FN(hz_prefetch_codes)(mc, i + HZ_PREFETCH, j, qk);
                 HZ_FN(hz_prefetch_codes)(uc, i + HZ_PREFETCH, j, qk);
@@ -75,7 +76,8 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
             for (int h = 0; h < 2; ++h) {
                 size_t e = i + 8 * h;
                 __m256 g = _mm256_mul_ps(HZ_FN(hz_grad8)(grad, e, gk), gs);
-                if (l2_on) g = _mm256_fmadd_ps(l2, _mm256_mul_ps(HZ_FN(hz_p8)(a, e, mk), decay), g);
+                if (l2_on)
+                    g = _mm256_fmadd_ps(l2, _mm256_mul_ps(HZ_FN(hz_p8)(pm, e, mk), decay), g);
                 __m256 mi = _mm256_fmadd_ps(c, g, md[h]);
                 __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, vd[h]);
                 __m256 si = _mm256_sqrt_ps(vi);
@@ -93,12 +95,12 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
             for (int h = 0; h < 2; ++h) {
                 size_t e = b0 + j + 8 * h;
                 __m256 mi = _mm256_load_ps(mt + j + 8 * h), si = _mm256_load_ps(ut + j + 8 * h);
-                __m256 pi = _mm256_mul_ps(HZ_FN(hz_p8)(a, e, mk), decay);
+                __m256 pi = _mm256_mul_ps(HZ_FN(hz_p8)(pm, e, mk), decay);
                 __m256 cap = _mm256_mul_ps(_mm256_and_ps(mi, abs_mask), icap);
                 __m256 d = _mm256_add_ps(_mm256_mul_ps(_mm256_max_ps(cap, si), rbc2), eps);
                 pn[h] = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(ns, mi), d));
             }
-            HZ_FN(hz_pstore16)(a, b0 + j, pn[0], pn[1], &ctr, ok, mk, 0);
+            HZ_FN(hz_pstore16)(pm, out, b0 + j, pn[0], pn[1], &ctr, ok, mk, 0);
         }
         const uint32_t mb = HZ_FN(hz_hmax_epu32)(mmax), ub = HZ_FN(hz_hmax_epu32)(umax);
         float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;

@@ -12,11 +12,14 @@
  * docs/measurements.md, "The fused int4 pass and the fused bf16 master".  Included only where
  * the fused path exists.  No include guard on purpose. */
 
-/* 8 params from element e. */
-static inline __attribute__((always_inline)) __m256 HZ_FN(hz_p8)(const hz_adam_args *a,
-                                                                  size_t e, const int mk) {
-    if (mk == HZ_BF16) return HZ_FN(hz_bf16x8_load)(a->master16 + e);  /* exact */
-    return _mm256_loadu_ps(a->param + e);
+/* 8 params from element e of the master pm (a->param, or a->master16 when mk is HZ_BF16).
+ * The passes take their buffers as locals, not through a: a store through a float or byte
+ * pointer may alias *a, so gcc reloaded a->param after each one (3 loads and an address per
+ * 16 elements of pass 2). */
+static inline __attribute__((always_inline)) __m256 HZ_FN(hz_p8)(const void *pm, size_t e,
+                                                                  const int mk) {
+    if (mk == HZ_BF16) return HZ_FN(hz_bf16x8_load)((const uint16_t *)pm + e);  /* exact */
+    return _mm256_loadu_ps((const float *)pm + e);
 }
 
 /* hz_hash32 (lowbias32) on 8 lanes: vpmulld is the 32-bit multiply it was chosen for. */
@@ -42,19 +45,18 @@ static inline __m256i HZ_FN(hz_sr8)(__m256 x, __m256i r, int nan) {
     return s;
 }
 
-/* Stores the 16 new params x0 (elements e..e+7), x1 (e+8..e+15): fp32 into a->param; bf16
- * rounded stochastically into the master and, unless ok is HZ_NONE, out16 (the same values;
- * it may be the master itself).  With an fp32 master, out16 gets the round to nearest (ok) of
- * hz_out16.  ctr: the bf16 master's counters of elements e..e+7 (hz_sr_ctr), moved on by 16:
+/* Stores the 16 new params x0 (elements e..e+7), x1 (e+8..e+15) into the master pm (as
+ * hz_p8): fp32 as they are; bf16 rounded stochastically, into the master and, unless ok is
+ * HZ_NONE, out (a->out16: the same values; it may be the master itself).  With an fp32
+ * master, out gets the round to nearest (ok) of hz_out16.  ctr: the bf16 master's counters of elements e..e+7 (hz_sr_ctr), moved on by 16:
  * element e's bits are hz_hash32(sr_key + sr_first + e); a running counter saves the
  * broadcast of e, 2 of the ~30 vector ops that the rounding adds per 16 elements. */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256i *ctr,
+HZ_FN(hz_pstore16)(void *pm, uint16_t *out, size_t e, __m256 x0, __m256 x1, __m256i *ctr,
                    const int ok, const int mk, const int stream) {
-    uint16_t *out = (uint16_t *)a->out16;
     if (mk == HZ_F32) {
-        _mm256_storeu_ps(a->param + e, x0);
-        _mm256_storeu_ps(a->param + e + 8, x1);
+        _mm256_storeu_ps((float *)pm + e, x0);
+        _mm256_storeu_ps((float *)pm + e + 8, x1);
         if (ok == HZ_NONE) return;
         __m256i hv = HZ_FN(hz_out16)(x0, x1, ok);
         if (stream) _mm256_stream_si256((__m256i *)(out + e), hv);
@@ -67,7 +69,7 @@ HZ_FN(hz_pstore16)(const hz_adam_args *a, size_t e, __m256 x0, __m256 x1, __m256
     int nan = _mm256_movemask_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q));
     __m256i hv = _mm256_permute4x64_epi64(
         _mm256_packus_epi32(HZ_FN(hz_sr8)(x0, r0, nan), HZ_FN(hz_sr8)(x1, r1, nan)), 0xd8);
-    _mm256_storeu_si256((__m256i *)(a->master16 + e), hv);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)pm + e), hv);
     if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), hv);
 }
 
