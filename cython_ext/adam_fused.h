@@ -27,20 +27,6 @@ static inline __m256 HZ_FN(hz_bf16x8_load)(const uint16_t *src) {
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)src)), sel));
 }
 
-static inline __m128i HZ_FN(hz_bf16x8)(__m256 x) {
-#if HZ_USE_BF16HW && defined(__AVX512VL__)
-    /* vcvtneps2bf16 flushes subnormal inputs to zero where torch rounds them: such vectors
-     * (rare) take the integer path, so both give the same bits. */
-    __m256i a = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
-    __m256i sub = _mm256_andnot_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()),
-                                      _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), a));
-    if (!_mm256_testz_si256(sub, sub)) return HZ_FN(hz_bf16x8_int)(x);
-    return (__m128i)_mm256_cvtneps_pbh(x);
-#else
-    return HZ_FN(hz_bf16x8_int)(x);
-#endif
-}
-
 /* 16 lanes (a: elements 0-7, b: 8-15; no NaN) -> 16 bf16 in order, hz_float_to_bf16's rounding
  * done on 16-bit halves: for u = H:L, (u + 0x7fff + (H & 1)) >> 16 is H + (L + (H & 1) > 0x8000),
  * and vpavgw's (L + lsb + 1) >> 1 (no overflow) is >= 0x4001 exactly then.  Checked against
@@ -60,31 +46,26 @@ static inline __m256i HZ_FN(hz_bf16x16_rne)(__m256 a, __m256 b) {
 
 /* 16 lanes -> 16 bf16, bit-equal to hz_float_to_bf16 for every input.  nan: nonzero when a lane
  * of a or b may be NaN (the caller tests several streams with one compare); such vectors
- * (rare) take the exact 8-lane path.  With AVX512-BF16 the hardware conversion stays. */
-#if HZ_USE_BF16HW && defined(__AVX512VL__)
-#define HZ_BF16_HW 1
-#else
-#define HZ_BF16_HW 0
-#endif
+ * (rare) take the exact 8-lane path.  Also with AVX512-BF16: vcvtneps2bf16 flushes subnormal
+ * inputs to zero where torch rounds them, and its test for them per 8 lanes (5 ops) made the
+ * hardware conversion the slower one.  bench_kernel_loop.py, 64K params in cache, the Xeon of
+ * family 6 model 167, ns/param, hardware -> this: fp32 master with fp32 / bf16 moments (the
+ * params' bf16 copy; and the moments) 0.41-0.43 / 0.59-0.64 -> 0.365 / 0.44-0.46, bf16
+ * master with bf16 moments 0.63-0.70 -> 0.52-0.56 (two runs of each, 3 x 1500 calls). */
 static inline __m256i HZ_FN(hz_bf16x16)(__m256 a, __m256 b, int nan) {
-#if HZ_BF16_HW
-    (void)nan;
-    return _mm256_set_m128i(HZ_FN(hz_bf16x8)(b), HZ_FN(hz_bf16x8)(a));
-#else
     if (__builtin_expect(nan, 0))
         return _mm256_set_m128i(HZ_FN(hz_bf16x8_int)(b), HZ_FN(hz_bf16x8_int)(a));
     return HZ_FN(hz_bf16x16_rne)(a, b);
-#endif
 }
 
-/* Nonzero when a lane of a or b (of a, b, c or d) is NaN; 0 where hz_bf16x16 ignores it. */
+/* Nonzero when a lane of a or b (of a, b, c or d) is NaN. */
 static inline int HZ_FN(hz_any_nan2)(__m256 a, __m256 b) {
-    return HZ_BF16_HW ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q));
 }
 
 static inline int HZ_FN(hz_any_nan4)(__m256 a, __m256 b, __m256 c, __m256 d) {
-    return HZ_BF16_HW ? 0 : _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
-                                                            _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                           _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
 }
 
 /* The 16-bit copy of 16 new params. */

@@ -303,5 +303,4 @@ static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
 
 #undef HZ_USE_F16C
 #undef HZ_USE_BF16HW
-#undef HZ_BF16_HW
 #undef HZ_FUSED
