@@ -226,6 +226,14 @@ static inline void HZ_FN(hz_rest)(const hz_adam_args *a, size_t lo, size_t hi, c
 #include "adam_q8_fused.h"
 #include "adam_q4_fused.h"
 #include "adam_coded_fused.h"
+#if HZ_USE_BF16HW && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HZ_CODED512 1
+#include "adam_coded512.h"
+#define HZ_CODED_PASS hz_coded512
+#else
+#define HZ_CODED512 0
+#define HZ_CODED_PASS hz_coded_fused
+#endif
 
 /* The fused pass for this call's kinds; a constant mk makes one set of instances per master.
  * Outputs: fp16 or bf16 for an fp32 master, bf16 for a bf16 one (cpu_adam.py refuses fp16 there;
@@ -236,11 +244,11 @@ HZ_FN(hz_fused_for)(const hz_adam_args *a, size_t lo, size_t hi, const int mk) {
     if (sk == HZ_Q8 || sk == HZ_Q4) {
         switch ((sk == HZ_Q4) * 16 + gk * 4 + ok) {
 #define HZ_QCASE(qk, gk, ok) \
-    case (qk == HZ_Q4) * 16 + gk * 4 + ok: HZ_FN(hz_coded_fused)(a, lo, hi, gk, ok, qk, mk); return;
+    case (qk == HZ_Q4) * 16 + gk * 4 + ok: HZ_FN(HZ_CODED_PASS)(a, lo, hi, gk, ok, qk, mk); return;
 #define HZ_QCASES(qk, gk) \
     HZ_QCASE(qk, gk, HZ_BF16) HZ_QCASE(qk, gk, HZ_NONE) \
     case (qk == HZ_Q4) * 16 + gk * 4 + HZ_F16: \
-        if (mk == HZ_F32) HZ_FN(hz_coded_fused)(a, lo, hi, gk, HZ_F16, qk, HZ_F32); \
+        if (mk == HZ_F32) HZ_FN(HZ_CODED_PASS)(a, lo, hi, gk, HZ_F16, qk, HZ_F32); \
         else HZ_FN(hz_rest)(a, lo, hi, mk); \
         return;
         HZ_QCASES(HZ_Q8, HZ_F32) HZ_QCASES(HZ_Q8, HZ_F16) HZ_QCASES(HZ_Q8, HZ_BF16)
@@ -301,6 +309,8 @@ static void HZ_FN(hz_adam_range)(const hz_adam_args *a, size_t lo, size_t hi) {
 
 #include "adam_undo.h"  /* the overlapped schedule's undo of an fp32 step, per variant */
 
+#undef HZ_CODED_PASS
+#undef HZ_CODED512
 #undef HZ_USE_F16C
 #undef HZ_USE_BF16HW
 #undef HZ_FUSED

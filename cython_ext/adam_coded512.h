@@ -1,0 +1,284 @@
+/* Part of the per-ISA body (adam_kernel_body.h includes it once per variant, with HZ_FN,
+ * HZ_USE_* set): the fused pass over 8- or 4-bit moments (adam_coded_fused.h's) on 16-lane
+ * zmm vectors with an fp32 master (hz_coded512 at the bottom says why not with a bf16 one),
+ * for variants with AVX-512F/BW/VL and AVX512-BF16.  Included only there.  No include guard
+ * on purpose.
+ *
+ * The same three passes per block and the same operations on every lane as adam_coded_fused.h
+ * (so the same bits as it and as the portable hz_q8_range / hz_q4_range), taking the same
+ * cases to the portable path (a block whose length is not a multiple of 16, a NaN or negative
+ * exp_avg scale, inf or NaN in a block's new moments).  What AVX-512 changes is the count:
+ * twice the lanes per op, and masks and narrowing stores where the 256-bit codecs shuffle,
+ * pack and blend.  The 8-bit codes widen with one vpmovzxbd and decode with masked adds (a zero
+ * code gives 0 by its mask, where AVX2 took vpsignd); a 4-bit code is its own index into a
+ * 16-entry table (vpermps over 16 lanes: exp_avg's sign in the table's upper half, exp_avg_sq
+ * in one table, where 8 lanes took a table, an OR and a blend of two); the encodes narrow with
+ * vpmovdb / vpmovqb (no pack and unpack); the bf16 copy is one vcvtneps2bf16 per 16 params.
+ * The three loops take 83 instructions per 16 params with 8-bit moments (40 + 20 + 23; 4-bit:
+ * 37 + 20 + 30; objdump of the native build, bf16 grads in and params out), ~5.4 per param
+ * with the block's work, where callgrind counts 9.4 (9.8) for the 8-lane pass; but they run at
+ * ~2.3 per cycle where that one runs at ~3.5, so the time gains 8-15% in cache (hz_coded512).
+ * Most likely why (no performance counters on the VM that measured it): on Intel cores zmm
+ * work issues on two ports (0 and 1 fused, and 5) where ymm work has three, and the widening,
+ * narrowing, table and mask ops here all take port 5.
+ *
+ * Why only with AVX512-BF16 (Zen 4, Sapphire Rapids and later, Cooper Lake): on the Xeons
+ * before it (Skylake-X to Ice Lake), zmm FP work lowers the core's clock for a while.  The
+ * divider gains nothing from the width: the probe (bench_kernel_loop.py --clock and a zmm
+ * twin of it) times vsqrtps + vdivps at 11.1 cycles per 8 lanes and 23.7 per 16 on the Xeon
+ * of family 6 model 167: the update's floor stays ~1.4-1.5 cycles per param. */
+
+/* 16 bf16 -> 16 floats, exact. */
+static inline __m512 HZ_FN(hz5_bf16_load)(const uint16_t *src) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+static inline __attribute__((always_inline)) __m512 HZ_FN(hz5_grad)(const void *grad, size_t i,
+                                                                    const int gk) {
+    if (gk == HZ_F32) return _mm512_loadu_ps((const float *)grad + i);
+    if (gk == HZ_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)grad + i)));
+    return HZ_FN(hz5_bf16_load)((const uint16_t *)grad + i);
+}
+
+/* 16 lanes -> bf16 by hz_float_to_bf16's integer rounding, for every input. */
+static inline __m256i HZ_FN(hz5_bf16_int)(__m512 x) {
+    __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
+                                    _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* The 16-bit copy of 16 new params of an fp32 master: fp16 or bf16, round to nearest even.
+ * vcvtneps2bf16 flushes subnormal inputs to zero where torch rounds them: a vector with one
+ * (rare) takes the integer path. */
+static inline __m256i HZ_FN(hz5_out16)(__m512 x, const int ok) {
+    if (ok == HZ_F16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+    __m512i xi = _mm512_castps_si512(x);
+    __mmask16 sub = _mm512_mask_testn_epi32_mask(
+        _mm512_test_epi32_mask(xi, _mm512_set1_epi32(0x007fffff)), xi,
+        _mm512_set1_epi32(0x7f800000));
+    if (__builtin_expect(sub != 0, 0)) return HZ_FN(hz5_bf16_int)(x);
+    return (__m256i)_mm512_cvtneps_pbh(x);
+}
+
+/* Stores 16 new params x (elements e..e+15) and, unless ok is HZ_NONE, their 16-bit copy. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_pstore)(float *p, uint16_t *out, size_t e, __m512 x, const int ok) {
+    _mm512_storeu_ps(p + e, x);
+    if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), HZ_FN(hz5_out16)(x, ok));
+}
+
+/* exp_avg of 16 elements from their 8-bit codes c (one per lane): the value of c & 0x7f,
+ * ((k + bias) << 20) as float bits and 0 for k = 0, times the scale, or its negation where
+ * c & 0x80 (hz_q8_mdec's products). */
+static inline __m512 HZ_FN(hz5_q8_mdec)(__m512i c, __m512 ms, __m512 nms) {
+    const int sh = 23 - HZ_QM_MBITS;
+    __mmask16 nz = _mm512_test_epi32_mask(c, _mm512_set1_epi32(0x7f));
+    __mmask16 neg = _mm512_test_epi32_mask(c, _mm512_set1_epi32(0x80));
+    __m512i k = _mm512_and_si512(_mm512_slli_epi32(c, sh), _mm512_set1_epi32(0x7f << sh));
+    __m512i y = _mm512_maskz_add_epi32(nz, k, _mm512_set1_epi32((int)(HZ_QM_BIAS << sh)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(y), _mm512_mask_blend_ps(neg, ms, nms));
+}
+
+/* sqrt(exp_avg_sq) of 16 elements from their codes (hz_q8_udec's products). */
+static inline __m512 HZ_FN(hz5_q8_udec)(__m512i c, __m512 us) {
+    const int sh = 23 - HZ_QU_MBITS;
+    __mmask16 nz = _mm512_test_epi32_mask(c, c);
+    __m512i y = _mm512_maskz_add_epi32(nz, _mm512_slli_epi32(c, sh),
+                                       _mm512_set1_epi32((int)(HZ_QU_BIAS << sh)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(y), us);
+}
+
+/* hz_q8_code8 on 16 lanes of y >= 0, finite, with the clamp at 0 that vpackus gave (none at
+ * the top: hz_q8_pack32's argument). */
+static inline __m512i HZ_FN(hz5_code)(__m512 y, const int sh, const int bias) {
+    __m512i t = _mm512_add_epi32(_mm512_castps_si512(y),
+                                 _mm512_set1_epi32((1 << (sh - 1)) - (bias << sh)));
+    return _mm512_max_epi32(_mm512_srai_epi32(t, sh), _mm512_setzero_si512());
+}
+
+/* exp_avg's codes of 16 lanes m with the inverse scale im: the magnitude's code, with sign
+ * bit sbit where m is negative and the code not zero (hz_q8_enc32's and hz_q4_enc32's). */
+static inline __m512i HZ_FN(hz5_mcode)(__m512 m, __m512 im, const int sh, const int bias,
+                                       const int sbit) {
+    __m512i mi = _mm512_castps_si512(m);
+    __m512i k = HZ_FN(hz5_code)(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
+                                                  mi, _mm512_set1_epi32(0x7fffffff))), im),
+                                sh, bias);
+    __mmask16 neg = _mm512_mask_cmpgt_epi32_mask(
+        _mm512_test_epi32_mask(mi, _mm512_set1_epi32((int)0x80000000u)), k,
+        _mm512_setzero_si512());
+    return _mm512_mask_or_epi32(k, neg, k, _mm512_set1_epi32(sbit));
+}
+
+/* A 4-bit block's tables: lane k of tm is exp_avg's value of code k (sign bit 3: lanes 8-15
+ * are lanes 0-7 with the sign bit OR-ed in, as hz_q4_dec16 ORs it), of tv exp_avg_sq's value
+ * of code k, (value(k) * us)^2: hz_q4_tables' products, one table each. */
+static inline void HZ_FN(hz5_q4_tables)(float ms, float us, __m512 *tm, __m512 *tv) {
+#define HZ_Q4V(k, mb, bias) ((k) ? (int)(((k) + (bias)) << (23 - (mb))) : 0)
+#define HZ_Q4M(k) HZ_Q4V(k, HZ_Q4M_MBITS, HZ_Q4M_BIAS)
+#define HZ_Q4U(k) HZ_Q4V(k, HZ_Q4U_MBITS, HZ_Q4U_BIAS)
+    const __m512i vm = _mm512_setr_epi32(HZ_Q4M(0), HZ_Q4M(1), HZ_Q4M(2), HZ_Q4M(3), HZ_Q4M(4),
+                                         HZ_Q4M(5), HZ_Q4M(6), HZ_Q4M(7), HZ_Q4M(0), HZ_Q4M(1),
+                                         HZ_Q4M(2), HZ_Q4M(3), HZ_Q4M(4), HZ_Q4M(5), HZ_Q4M(6),
+                                         HZ_Q4M(7));
+    const __m512i vu = _mm512_setr_epi32(HZ_Q4U(0), HZ_Q4U(1), HZ_Q4U(2), HZ_Q4U(3), HZ_Q4U(4),
+                                         HZ_Q4U(5), HZ_Q4U(6), HZ_Q4U(7), HZ_Q4U(8), HZ_Q4U(9),
+                                         HZ_Q4U(10), HZ_Q4U(11), HZ_Q4U(12), HZ_Q4U(13),
+                                         HZ_Q4U(14), HZ_Q4U(15));
+#undef HZ_Q4U
+#undef HZ_Q4M
+#undef HZ_Q4V
+    __m512 m = _mm512_mul_ps(_mm512_castsi512_ps(vm), _mm512_set1_ps(ms));
+    __m512i mi = _mm512_castps_si512(m);
+    *tm = _mm512_castsi512_ps(
+        _mm512_mask_or_epi32(mi, 0xff00, mi, _mm512_set1_epi32((int)0x80000000u)));
+    __m512 u = _mm512_mul_ps(_mm512_castsi512_ps(vu), _mm512_set1_ps(us));
+    *tv = _mm512_mul_ps(u, u);
+}
+
+/* 16 lanes of 4-bit codes from 8 bytes (element 0's byte; element 2j in byte j's low nibble):
+ * bits 0-3 of lane e hold element e's code (even lanes: the odd one's above it, which vpermps
+ * ignores). */
+static inline __m512i HZ_FN(hz5_q4_codes)(const uint8_t *src) {
+    uint64_t b;
+    memcpy(&b, src, 8);
+    const __m512i sel = _mm512_setr_epi32(  /* byte e / 2 of each 128-bit lane's 8 to lane e */
+        (int)0x80808000u, (int)0x80808000u, (int)0x80808001u, (int)0x80808001u,
+        (int)0x80808002u, (int)0x80808002u, (int)0x80808003u, (int)0x80808003u,
+        (int)0x80808004u, (int)0x80808004u, (int)0x80808005u, (int)0x80808005u,
+        (int)0x80808006u, (int)0x80808006u, (int)0x80808007u, (int)0x80808007u);
+    const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    return _mm512_srlv_epi32(_mm512_shuffle_epi8(_mm512_set1_epi64((long long)b), sel), sh);
+}
+
+/* 16 nibble codes (one per lane, 0..15) -> 8 bytes, element 2j in byte j's low nibble. */
+static inline void HZ_FN(hz5_q4_store)(uint8_t *dst, __m512i k) {
+    const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    __m512i x = _mm512_sllv_epi32(k, sh);
+    x = _mm512_or_si512(x, _mm512_srli_epi64(x, 32));  /* byte 0 of each qword: the pair */
+    _mm_storel_epi64((__m128i *)dst, _mm512_cvtepi64_epi8(x));
+}
+
+static inline __attribute__((always_inline)) void
+HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
+                        const int ok, const int qk, const int l2_on) {
+    float mt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
+    float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
+    uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
+    const void *grad = a->grad;
+    float *p = a->param;
+    uint16_t *out = (uint16_t *)a->out16;
+    const __m512 gs = _mm512_set1_ps(a->grad_scale), decay = _mm512_set1_ps(a->decay);
+    const __m512 l2 = _mm512_set1_ps(a->l2), c = _mm512_set1_ps(a->one_minus_beta1);
+    const __m512 omb2 = _mm512_set1_ps(a->one_minus_beta2);
+    const __m512 rbc2 = _mm512_set1_ps(a->inv_bc2_sqrt), eps = _mm512_set1_ps(a->eps);
+    const __m512 ns = _mm512_set1_ps(a->neg_step), icap = _mm512_set1_ps(a->inv_ratio_cap);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const size_t bs = (size_t)a->qblock;
+    const size_t pf_end = HZ_FN(hz_prefetch_end)(lo, hi);
+    for (size_t b0 = lo; b0 < hi; b0 += bs) {
+        size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
+        const float msf = a->m_scale[blk] * a->beta1, usf = a->v_scale[blk] * a->sqrt_beta2;
+        if ((n & 15u) || hz_bits(msf) > 0x7f800000u) {  /* adam_coded_fused.h's cases */
+            HZ_FN(hz_rest)(a, b0, b0 + n, HZ_F32);
+            continue;
+        }
+        __m512 t0, t1, t2;  /* Q8: ms, -ms, us; Q4: the tables (t2 unused) */
+        if (qk == HZ_Q8) {
+            t0 = _mm512_set1_ps(msf);
+            t1 = _mm512_set1_ps(-msf);
+            t2 = _mm512_set1_ps(usf);
+        } else {
+            HZ_FN(hz5_q4_tables)(msf, usf, &t0, &t1);
+            t2 = t1;
+        }
+        __m512i mmax = _mm512_setzero_si512(), umax = _mm512_setzero_si512();
+        for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
+            size_t i = b0 + j;
+            if (i < pf_end) {
+                HZ_FN(hz_prefetch)(p, i + HZ_PREFETCH, 4, j);
+                HZ_FN(hz_prefetch)(grad, i + HZ_PREFETCH, gk == HZ_F32 ? 4 : 2, j);
+                HZ_FN(hz_prefetch_codes)(mc, i + HZ_PREFETCH, j, qk);
+                HZ_FN(hz_prefetch_codes)(uc, i + HZ_PREFETCH, j, qk);
+            }
+            __m512 md, vd;
+            if (qk == HZ_Q8) {
+                md = HZ_FN(hz5_q8_mdec)(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mc + i))), t0, t1);
+                __m512 u = HZ_FN(hz5_q8_udec)(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(uc + i))), t2);
+                vd = _mm512_mul_ps(u, u);
+            } else {
+                md = _mm512_permutexvar_ps(HZ_FN(hz5_q4_codes)(mc + i / 2), t0);
+                vd = _mm512_permutexvar_ps(HZ_FN(hz5_q4_codes)(uc + i / 2), t1);
+            }
+            __m512 g = _mm512_mul_ps(HZ_FN(hz5_grad)(grad, i, gk), gs);
+            if (l2_on) g = _mm512_fmadd_ps(l2, _mm512_mul_ps(_mm512_loadu_ps(p + i), decay), g);
+            __m512 mi = _mm512_fmadd_ps(c, g, md);
+            __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, vd);
+            __m512 si = _mm512_sqrt_ps(vi);
+            _mm512_store_ps(mt + j, mi);
+            _mm512_store_ps(ut + j, si);
+            mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
+            umax = _mm512_max_epu32(umax, _mm512_castps_si512(si));  /* as adam_coded_fused.h */
+        }
+        for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
+            size_t e = b0 + j;
+            __m512 mi = _mm512_load_ps(mt + j), si = _mm512_load_ps(ut + j);
+            __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + e), decay);
+            __m512 cap = _mm512_mul_ps(
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mi), abs_mask)), icap);
+            __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(cap, si), rbc2), eps);
+            __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(ns, mi), d));
+            HZ_FN(hz5_pstore)(p, out, e, pn, ok);
+        }
+        const uint32_t mb = (uint32_t)_mm512_reduce_max_epu32(mmax);
+        const uint32_t ub = (uint32_t)_mm512_reduce_max_epu32(umax);
+        float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;
+        if (mb >= 0x7f800000u || ub >= 0x7f800000u) {  /* inf or NaN in the block */
+            if (qk == HZ_Q8) HZ_FN(hz_q8_encode)(mc + b0, uc + b0, sm_out, su_out, mt, ut, n);
+            else HZ_FN(hz_q4_encode)(mc + b0 / 2, uc + b0 / 2, sm_out, su_out, mt, ut, n);
+            continue;
+        }
+        const float sm = hz_q_scale(mb), su = hz_q_scale(ub);
+        const __m512 im = _mm512_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
+        const __m512 iu = _mm512_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
+        for (size_t j = 0; j < n; j += 16) {  /* pass 3: encode */
+            __m512 m = _mm512_load_ps(mt + j), u = _mm512_mul_ps(_mm512_load_ps(ut + j), iu);
+            if (qk == HZ_Q8) {
+                __m512i km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_QM_MBITS, HZ_QM_BIAS, 0x80);
+                __m512i ku = HZ_FN(hz5_code)(u, 23 - HZ_QU_MBITS, HZ_QU_BIAS);
+                _mm_storeu_si128((__m128i *)(mc + b0 + j), _mm512_cvtepi32_epi8(km));
+                _mm_storeu_si128((__m128i *)(uc + b0 + j), _mm512_cvtepi32_epi8(ku));
+            } else {
+                __m512i km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_Q4M_MBITS, HZ_Q4M_BIAS, 0x08);
+                __m512i ku = HZ_FN(hz5_code)(u, 23 - HZ_Q4U_MBITS, HZ_Q4U_BIAS);
+                HZ_FN(hz5_q4_store)(mc + (b0 + j) / 2, km);
+                HZ_FN(hz5_q4_store)(uc + (b0 + j) / 2, ku);
+            }
+        }
+        *sm_out = sm;
+        *su_out = su;
+    }
+}
+
+/* The coded pass of a variant with this file: hz_coded512_body (the L2 flag a constant, as
+ * hz_coded_fused) for an fp32 master, adam_coded_fused.h's 8-lane pass for a bf16 one, which
+ * zmm did not make faster: bench_kernel_loop.py, 64K params in cache, fastest of 3
+ * alternating runs of each build, the Xeon of family 6 model 167, ns/param 8-lane -> zmm:
+ * fp32 master, int8 0.675 -> 0.585, int4 0.667 -> 0.622; bf16 master (the stochastic
+ * rounding on 16 lanes too), int8 0.700 -> 0.684, int4 0.689 -> 0.728, and 0.79 / 0.91 with
+ * pass 2 on 8 lanes after zmm passes 1 and 3. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz_coded512)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
+                   const int qk, const int mk) {
+    if (mk == HZ_BF16) HZ_FN(hz_coded_fused)(a, lo, hi, gk, ok, qk, HZ_BF16);
+    else if (!a->l2_on) HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, 0);
+    else HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, 1);
+}
