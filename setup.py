@@ -116,6 +116,7 @@ def _extensions():
             "cython_ext/adam_q4_portable.h",
             "cython_ext/adam_q4_fused.h",
             "cython_ext/adam_coded_fused.h",
+            "cython_ext/adam_coded512.h",
             "cython_ext/adam_undo.h",
         ],
     )
