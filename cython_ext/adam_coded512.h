@@ -238,15 +238,11 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
             __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(ns, mi), d));
             HZ_FN(hz5_pstore)(p, out, e, pn, ok);
         }
-        const uint32_t mb = (uint32_t)_mm512_reduce_max_epu32(mmax);
-        const uint32_t ub = (uint32_t)_mm512_reduce_max_epu32(umax);
-        float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;
-        if (mb >= 0x7f800000u || ub >= 0x7f800000u) {  /* inf or NaN in the block */
-            if (qk == HZ_Q8) HZ_FN(hz_q8_encode)(mc + b0, uc + b0, sm_out, su_out, mt, ut, n);
-            else HZ_FN(hz_q4_encode)(mc + b0 / 2, uc + b0 / 2, sm_out, su_out, mt, ut, n);
+        float sm, su;
+        if (!HZ_FN(hz_coded_scales)(a, b0, n, qk, mt, ut,
+                                    (uint32_t)_mm512_reduce_max_epu32(mmax),
+                                    (uint32_t)_mm512_reduce_max_epu32(umax), &sm, &su))
             continue;
-        }
-        const float sm = hz_q_scale(mb), su = hz_q_scale(ub);
         const __m512 im = _mm512_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
         const __m512 iu = _mm512_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
         for (size_t j = 0; j < n; j += 16) {  /* pass 3: encode */
@@ -263,8 +259,8 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
                 HZ_FN(hz5_q4_store)(uc + (b0 + j) / 2, ku);
             }
         }
-        *sm_out = sm;
-        *su_out = su;
+        a->m_scale[blk] = sm;
+        a->v_scale[blk] = su;
     }
 }
 

@@ -34,6 +34,26 @@ HZ_FN(hz_prefetch_codes)(const uint8_t *c, size_t i, size_t j, const int qk) {
     else if (j % 128u == 0) _mm_prefetch((const char *)c + i / 2, _MM_HINT_T0);
 }
 
+/* A block's new scales once passes 1 and 2 have run (mb, ub: the largest magnitudes of its new
+ * m and sqrt(v) as float bits): 1 and the scales in *sm, *su, which the caller's encode uses
+ * and then stores; or 0 for a block with inf or NaN in its new moments, which the portable
+ * encode has then written, codes and scales. */
+static inline int HZ_FN(hz_coded_scales)(const hz_adam_args *a, size_t b0, size_t n,
+                                         const int qk, const float *mt, const float *ut,
+                                         uint32_t mb, uint32_t ub, float *sm, float *su) {
+    uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
+    const size_t blk = b0 / (size_t)a->qblock;
+    float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;
+    if (mb >= 0x7f800000u || ub >= 0x7f800000u) {
+        if (qk == HZ_Q8) HZ_FN(hz_q8_encode)(mc + b0, uc + b0, sm_out, su_out, mt, ut, n);
+        else HZ_FN(hz_q4_encode)(mc + b0 / 2, uc + b0 / 2, sm_out, su_out, mt, ut, n);
+        return 0;
+    }
+    *sm = hz_q_scale(mb);
+    *su = hz_q_scale(ub);
+    return 1;
+}
+
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
                            const int ok, const int qk, const int mk, const int l2_on) {
@@ -102,14 +122,10 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
             }
             HZ_FN(hz_pstore16)(pm, out, b0 + j, pn[0], pn[1], &ctr, ok, mk, 0);
         }
-        const uint32_t mb = HZ_FN(hz_hmax_epu32)(mmax), ub = HZ_FN(hz_hmax_epu32)(umax);
-        float *sm_out = a->m_scale + blk, *su_out = a->v_scale + blk;
-        if (mb >= 0x7f800000u || ub >= 0x7f800000u) {  /* inf or NaN in the block */
-            if (qk == HZ_Q8) HZ_FN(hz_q8_encode)(mc + b0, uc + b0, sm_out, su_out, mt, ut, n);
-            else HZ_FN(hz_q4_encode)(mc + b0 / 2, uc + b0 / 2, sm_out, su_out, mt, ut, n);
+        float sm, su;
+        if (!HZ_FN(hz_coded_scales)(a, b0, n, qk, mt, ut, HZ_FN(hz_hmax_epu32)(mmax),
+                                    HZ_FN(hz_hmax_epu32)(umax), &sm, &su))
             continue;
-        }
-        const float sm = hz_q_scale(mb), su = hz_q_scale(ub);
         const __m256 im = _mm256_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
         const __m256 iu = _mm256_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
         size_t j = 0;
@@ -127,8 +143,8 @@ HZ_FN(hz_coded_fused_body)(const hz_adam_args *a, size_t lo, size_t hi, const in
                 HZ_FN(hz_q4_enc32)(mc + (b0 + j) / 2, uc + (b0 + j) / 2, mt + j, ut + j, im, iu,
                                    1);
         }
-        *sm_out = sm;
-        *su_out = su;
+        a->m_scale[blk] = sm;
+        a->v_scale[blk] = su;
     }
 }
 
