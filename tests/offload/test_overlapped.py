@@ -10,6 +10,7 @@ during backward here: the worker starts on a bucket as soon as it lands.
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -302,7 +303,18 @@ def test_accumulation_without_a_told_boundary_undoes_and_warns(caplog):
     assert got["opt"].timings["early_share"] == 0.0
 
 
-def test_a_backward_after_the_boundary_is_refused():
+@pytest.mark.parametrize("worker", ["as is", "slow"])
+def test_a_backward_after_the_boundary_is_refused(worker, monkeypatch):
+    """Refused however far the worker has got: "slow" holds each early update back 50 ms,
+    so the next backward begins before the worker has summed any bucket's last grads (the
+    refusal once depended on that, and a 2-core CI run missed it)."""
+    if worker == "slow":
+        update = Overlapped._update_early
+
+        def slow(self, *args, **kwargs):
+            time.sleep(0.05)
+            return update(self, *args, **kwargs)
+        monkeypatch.setattr(Overlapped, "_update_early", slow)
     model = tiny_gpt2()
     opt = _engine(model, compute_dtype="bf16", overlap_step=True)
     _train(steps=1, opt=opt, model=model)

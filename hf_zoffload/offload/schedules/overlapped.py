@@ -66,15 +66,20 @@ class Overlapped(Schedule):
 
     # ------------------------------------------------------------ backward
     def begin_backward(self, eng: Steps, *, final: bool, explicit: bool = False) -> None:
+        started = bool(self._early) or self._thread is not None
+        # The worker finishes what it was given first: which buckets took their last grads
+        # into the sum is known only then, and the answer below must not depend on how far
+        # the worker had got (it had summed none yet, at times, on a 2-core CI machine).
+        if self._thread is not None:
+            self.end_window(eng)
         if self._summed:
             raise RuntimeError(
                 "a backward after the one that ended the accumulation window (sync_gradients "
                 "was True, or outside no_sync()), with overlap_step: its buckets were updated "
                 "already; call step() (or zero_grad()) first")
-        if self._early or self._thread is not None:
+        if started:
             # The window did not end: a loop that accumulates without telling (no no_sync,
             # no accelerate). The early updates are undone; the next step is done at step().
-            self.end_window(eng)
             self._undo_all(eng)
             self._stop = self._ended = False
             self._t_backward_end = None
