@@ -4,23 +4,31 @@
  * for variants with AVX-512F/BW/VL and AVX512-BF16.  Included only there.  No include guard
  * on purpose.
  *
- * The same three passes per block and the same operations on every lane as adam_coded_fused.h
- * (so the same bits as it and as the portable hz_q8_range / hz_q4_range), taking the same
- * cases to the portable path (a block whose length is not a multiple of 16, a NaN or negative
- * exp_avg scale, inf or NaN in a block's new moments).  What AVX-512 changes is the count:
- * twice the lanes per op, and masks and narrowing stores where the 256-bit codecs shuffle,
- * pack and blend.  The 8-bit codes widen with one vpmovzxbd and decode with masked adds (a zero
- * code gives 0 by its mask, where AVX2 took vpsignd); a 4-bit code is its own index into a
- * 16-entry table (vpermps over 16 lanes: exp_avg's sign in the table's upper half, exp_avg_sq
- * in one table, where 8 lanes took a table, an OR and a blend of two); the encodes narrow with
- * vpmovdb / vpmovqb (no pack and unpack); the bf16 copy is one vcvtneps2bf16 per 16 params.
- * The three loops take 83 instructions per 16 params with 8-bit moments (40 + 20 + 23; 4-bit:
- * 37 + 20 + 30; objdump of the native build, bf16 grads in and params out), ~5.4 per param
- * with the block's work, where callgrind counts 9.4 (9.8) for the 8-lane pass; but they run at
- * ~2.3 per cycle where that one runs at ~3.5, so the time gains 8-15% in cache (hz_coded512).
- * Most likely why (no performance counters on the VM that measured it): on Intel cores zmm
- * work issues on two ports (0 and 1 fused, and 5) where ymm work has three, and the widening,
- * narrowing, table and mask ops here all take port 5.
+ * The same operations on every lane as adam_coded_fused.h (so the same bits as it and as the
+ * portable hz_q8_range / hz_q4_range), taking the same cases to the portable path (a block
+ * whose length is not a multiple of 16, a NaN or negative exp_avg scale, inf or NaN in a
+ * block's new moments).  What AVX-512 changes is the count: twice the lanes per op, and masks
+ * and narrowing stores where the 256-bit codecs shuffle, pack and blend.  The 8-bit codes widen
+ * with one vpmovzxbd and decode with masked adds (a zero code gives 0 by its mask, where AVX2
+ * took vpsignd); a 4-bit code is its own index into a 16-entry table (vpermps over 16 lanes:
+ * exp_avg's sign in the table's upper half, exp_avg_sq in one table, where 8 lanes took a
+ * table, an OR and a blend of two); the bf16 copy is one vcvtneps2bf16 per 16 params.
+ *
+ * Two loops per block: pass 1 (decode, the moments, sqrt(v)), then the params (pass 2) and
+ * the encode (pass 3) of 64 elements at a time, which the block's scales, known once pass 1
+ * has run, allow.  The encode packs 64 codes with two vpackusdw and a vpackuswb (whose
+ * unsigned saturation is the clamp at 0) and puts them in order with one vpermd; 4-bit codes
+ * are then paired by vpmaddubsw and narrowed by vpmovwb.  Per 16 lanes it had taken a clamp,
+ * a vpmovdb (8-bit; 2 uops) or a shift, an OR and a vpmovqb (4-bit), for each moment.
+ * Instructions (objdump of the native build, bf16 grads in and params out): pass 1 44 per 16
+ * params (4-bit: 40), passes 2 and 3 127 per 64 (134), ~4.7 (4.6) per param, where callgrind
+ * counts 9.4 (9.8) for the 8-lane pass; but they run at ~2.2 per cycle where that one runs at
+ * ~3.5.  Most likely why (no performance counters on the VM that measured it): on Intel cores
+ * zmm work issues on two ports (0 and 1 fused, and 5) where ymm work has three, and the
+ * widening, table, mask and pack ops here all take port 5.  With the passes cut out one at a
+ * time (their results then wrong, 64K params in cache, the Xeon of family 6 model 167),
+ * ns/param with 4-bit codes: pass 1 0.21, pass 2 0.20, pass 3 0.22 with the per-16 encode,
+ * 0.13 with the packs; with 8-bit codes 0.25, 0.20, 0.15 -> 0.13.
  *
  * Why only with AVX512-BF16 (Zen 4, Sapphire Rapids and later, Cooper Lake): on the Xeons
  * before it (Skylake-X to Ice Lake), zmm FP work lowers the core's clock for a while.  The
@@ -96,20 +104,22 @@ static inline __m512 HZ_FN(hz5_q8_udec)(__m512i c, __m512 us) {
 
 /* hz_q8_code8 on 16 lanes of y >= 0, finite, with the clamp at 0 that vpackus gave (none at
  * the top: hz_q8_pack32's argument). */
-static inline __m512i HZ_FN(hz5_code)(__m512 y, const int sh, const int bias) {
+static inline __m512i HZ_FN(hz5_code)(__m512 y, const int sh, const int bias,
+                                      const int clamp) {
     __m512i t = _mm512_add_epi32(_mm512_castps_si512(y),
                                  _mm512_set1_epi32((1 << (sh - 1)) - (bias << sh)));
-    return _mm512_max_epi32(_mm512_srai_epi32(t, sh), _mm512_setzero_si512());
+    t = _mm512_srai_epi32(t, sh);
+    return clamp ? _mm512_max_epi32(t, _mm512_setzero_si512()) : t;
 }
 
 /* exp_avg's codes of 16 lanes m with the inverse scale im: the magnitude's code, with sign
  * bit sbit where m is negative and the code not zero (hz_q8_enc32's and hz_q4_enc32's). */
 static inline __m512i HZ_FN(hz5_mcode)(__m512 m, __m512 im, const int sh, const int bias,
-                                       const int sbit) {
+                                       const int sbit, const int clamp) {
     __m512i mi = _mm512_castps_si512(m);
     __m512i k = HZ_FN(hz5_code)(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
                                                   mi, _mm512_set1_epi32(0x7fffffff))), im),
-                                sh, bias);
+                                sh, bias, clamp);
     __mmask16 neg = _mm512_mask_cmpgt_epi32_mask(
         _mm512_test_epi32_mask(mi, _mm512_set1_epi32((int)0x80000000u)), k,
         _mm512_setzero_si512());
@@ -165,6 +175,92 @@ static inline void HZ_FN(hz5_q4_store)(uint8_t *dst, __m512i k) {
     _mm_storel_epi64((__m128i *)dst, _mm512_cvtepi64_epi8(x));
 }
 
+/* 64 codes, one per lane of k[0..3] (elements 0-15, .., 48-63), each below 256 or negative
+ * (then 0: the packs' unsigned saturation is hz5_code's clamp) -> 64 bytes in element order.
+ * The packs work within 128-bit lanes: dword d of lane l then holds elements 16d + 4l ..
+ * 16d + 4l + 3, which one vpermd moves to dword 4d + l. */
+static inline __m512i HZ_FN(hz5_bytes64)(const __m512i *k) {
+    const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(k[0], k[1]),
+                                    _mm512_packus_epi32(k[2], k[3]));
+    return _mm512_permutexvar_epi32(t, b);
+}
+
+/* 64 nibble codes as bytes (hz5_bytes64's) -> 32 bytes, element 2j in byte j's low nibble. */
+static inline __m256i HZ_FN(hz5_nibbles64)(__m512i b) {
+    return _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(b, _mm512_set1_epi16(0x1001)));
+}
+
+/* The constants of the params' update (pass 2), broadcast once per call. */
+typedef struct {
+    __m512 decay, icap, rbc2, eps, ns;
+} HZ_FN(hz5_pconsts);
+
+/* Pass 2 on 16 elements (e..e+15; mt, ut: their new m and sqrt(v) in the tiles): the new
+ * params and their 16-bit copy. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_param16)(float *p, uint16_t *out, size_t e, const float *mt, const float *ut,
+                   const HZ_FN(hz5_pconsts) k, const int ok) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512 mi = _mm512_load_ps(mt), si = _mm512_load_ps(ut);
+    __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + e), k.decay);
+    __m512 cap = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mi), abs_mask)), k.icap);
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(cap, si), k.rbc2), k.eps);
+    __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(k.ns, mi), d));
+    HZ_FN(hz5_pstore)(p, out, e, pn, ok);
+}
+
+/* The codes of 16 lanes m (new exp_avg) and u (new sqrt(exp_avg_sq) times its inverse scale)
+ * as 32-bit lanes, not clamped at 0 (clamp 0: the caller's packs do it) or clamped. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_codes)(__m512 m, __m512 u, __m512 im, const int qk, const int clamp, __m512i *km,
+                 __m512i *ku) {
+    if (qk == HZ_Q8) {
+        *km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_QM_MBITS, HZ_QM_BIAS, 0x80, clamp);
+        *ku = HZ_FN(hz5_code)(u, 23 - HZ_QU_MBITS, HZ_QU_BIAS, clamp);
+    } else {
+        *km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_Q4M_MBITS, HZ_Q4M_BIAS, 0x08, clamp);
+        *ku = HZ_FN(hz5_code)(u, 23 - HZ_Q4U_MBITS, HZ_Q4U_BIAS, clamp);
+    }
+}
+
+/* Pass 3 on 64 elements from element e (mt, ut: their tiles; im, iu: the inverse scales):
+ * both moments' codes, packed to bytes (hz5_bytes64) and, for 4-bit codes, to nibbles. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_enc64)(uint8_t *mc, uint8_t *uc, size_t e, const float *mt, const float *ut,
+                 __m512 im, __m512 iu, const int qk) {
+    __m512i km[4], ku[4];
+    for (int h = 0; h < 4; ++h)
+        HZ_FN(hz5_codes)(_mm512_load_ps(mt + 16 * h),
+                         _mm512_mul_ps(_mm512_load_ps(ut + 16 * h), iu), im, qk, 0, km + h,
+                         ku + h);
+    __m512i bm = HZ_FN(hz5_bytes64)(km), bu = HZ_FN(hz5_bytes64)(ku);
+    if (qk == HZ_Q8) {
+        _mm512_storeu_si512((void *)(mc + e), bm);
+        _mm512_storeu_si512((void *)(uc + e), bu);
+    } else {
+        _mm256_storeu_si256((__m256i *)(mc + e / 2), HZ_FN(hz5_nibbles64)(bm));
+        _mm256_storeu_si256((__m256i *)(uc + e / 2), HZ_FN(hz5_nibbles64)(bu));
+    }
+}
+
+/* Pass 3 on 16 elements (a block's last, where fewer than 64 are left). */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_enc16)(uint8_t *mc, uint8_t *uc, size_t e, const float *mt, const float *ut,
+                 __m512 im, __m512 iu, const int qk) {
+    __m512i km, ku;
+    HZ_FN(hz5_codes)(_mm512_load_ps(mt), _mm512_mul_ps(_mm512_load_ps(ut), iu), im, qk, 1, &km,
+                     &ku);
+    if (qk == HZ_Q8) {
+        _mm_storeu_si128((__m128i *)(mc + e), _mm512_cvtepi32_epi8(km));
+        _mm_storeu_si128((__m128i *)(uc + e), _mm512_cvtepi32_epi8(ku));
+    } else {
+        HZ_FN(hz5_q4_store)(mc + e / 2, km);
+        HZ_FN(hz5_q4_store)(uc + e / 2, ku);
+    }
+}
+
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
                         const int ok, const int qk, const int l2_on) {
@@ -180,6 +276,7 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
     const __m512 rbc2 = _mm512_set1_ps(a->inv_bc2_sqrt), eps = _mm512_set1_ps(a->eps);
     const __m512 ns = _mm512_set1_ps(a->neg_step), icap = _mm512_set1_ps(a->inv_ratio_cap);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const HZ_FN(hz5_pconsts) k = {decay, icap, rbc2, eps, ns};
     const size_t bs = (size_t)a->qblock;
     const size_t pf_end = HZ_FN(hz_prefetch_end)(lo, hi);
     for (size_t b0 = lo; b0 < hi; b0 += bs) {
@@ -228,36 +325,25 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
             mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
             umax = _mm512_max_epu32(umax, _mm512_castps_si512(si));  /* as adam_coded_fused.h */
         }
-        for (size_t j = 0; j < n; j += 16) {  /* pass 2: the params and their 16-bit copy */
-            size_t e = b0 + j;
-            __m512 mi = _mm512_load_ps(mt + j), si = _mm512_load_ps(ut + j);
-            __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + e), decay);
-            __m512 cap = _mm512_mul_ps(
-                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mi), abs_mask)), icap);
-            __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(cap, si), rbc2), eps);
-            __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(ns, mi), d));
-            HZ_FN(hz5_pstore)(p, out, e, pn, ok);
-        }
         float sm, su;
         if (!HZ_FN(hz_coded_scales)(a, b0, n, qk, mt, ut,
                                     (uint32_t)_mm512_reduce_max_epu32(mmax),
-                                    (uint32_t)_mm512_reduce_max_epu32(umax), &sm, &su))
+                                    (uint32_t)_mm512_reduce_max_epu32(umax), &sm, &su)) {
+            for (size_t j = 0; j < n; j += 16)  /* the portable encode has run: pass 2 */
+                HZ_FN(hz5_param16)(p, out, b0 + j, mt + j, ut + j, k, ok);
             continue;
+        }
         const __m512 im = _mm512_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
         const __m512 iu = _mm512_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
-        for (size_t j = 0; j < n; j += 16) {  /* pass 3: encode */
-            __m512 m = _mm512_load_ps(mt + j), u = _mm512_mul_ps(_mm512_load_ps(ut + j), iu);
-            if (qk == HZ_Q8) {
-                __m512i km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_QM_MBITS, HZ_QM_BIAS, 0x80);
-                __m512i ku = HZ_FN(hz5_code)(u, 23 - HZ_QU_MBITS, HZ_QU_BIAS);
-                _mm_storeu_si128((__m128i *)(mc + b0 + j), _mm512_cvtepi32_epi8(km));
-                _mm_storeu_si128((__m128i *)(uc + b0 + j), _mm512_cvtepi32_epi8(ku));
-            } else {
-                __m512i km = HZ_FN(hz5_mcode)(m, im, 23 - HZ_Q4M_MBITS, HZ_Q4M_BIAS, 0x08);
-                __m512i ku = HZ_FN(hz5_code)(u, 23 - HZ_Q4U_MBITS, HZ_Q4U_BIAS);
-                HZ_FN(hz5_q4_store)(mc + (b0 + j) / 2, km);
-                HZ_FN(hz5_q4_store)(uc + (b0 + j) / 2, ku);
-            }
+        size_t j = 0;
+        for (; j + 64 <= n; j += 64) {  /* passes 2 and 3: the params, then their encode */
+            for (size_t h = 0; h < 64; h += 16)
+                HZ_FN(hz5_param16)(p, out, b0 + j + h, mt + j + h, ut + j + h, k, ok);
+            HZ_FN(hz5_enc64)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
+        }
+        for (; j < n; j += 16) {  /* the block's last 16, 32 or 48 */
+            HZ_FN(hz5_param16)(p, out, b0 + j, mt + j, ut + j, k, ok);
+            HZ_FN(hz5_enc16)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
         }
         a->m_scale[blk] = sm;
         a->v_scale[blk] = su;
@@ -268,9 +354,11 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
  * hz_coded_fused) for an fp32 master, adam_coded_fused.h's 8-lane pass for a bf16 one, which
  * zmm did not make faster: bench_kernel_loop.py, 64K params in cache, fastest of 3
  * alternating runs of each build, the Xeon of family 6 model 167, ns/param 8-lane -> zmm:
- * fp32 master, int8 0.675 -> 0.585, int4 0.667 -> 0.622; bf16 master (the stochastic
- * rounding on 16 lanes too), int8 0.700 -> 0.684, int4 0.689 -> 0.728, and 0.79 / 0.91 with
- * pass 2 on 8 lanes after zmm passes 1 and 3. */
+ * fp32 master, int8 0.675 -> 0.585, int4 0.667 -> 0.622 (three passes, the per-16 encode;
+ * then with the encode on 64 at a time 0.549 / 0.539, and inside the params' loop 0.531 /
+ * 0.531; the 8-lane encode in the zmm pass instead: 0.666 with 4-bit codes); bf16 master
+ * (the stochastic rounding on 16 lanes too), int8 0.700 -> 0.684, int4 0.689 -> 0.728, and
+ * 0.79 / 0.91 with pass 2 on 8 lanes after zmm passes 1 and 3. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
                    const int qk, const int mk) {
