@@ -1,8 +1,7 @@
 /* Part of the per-ISA body (adam_kernel_body.h includes it once per variant, with HZ_FN,
  * HZ_USE_* set): the fused pass over 8- or 4-bit moments (adam_coded_fused.h's) on 16-lane
- * zmm vectors with an fp32 master (hz_coded512 at the bottom says why not with a bf16 one),
- * for variants with AVX-512F/BW/VL and AVX512-BF16.  Included only there.  No include guard
- * on purpose.
+ * zmm vectors, for an fp32 or a bf16 master (mk, as adam_m16_fused.h), for variants with
+ * AVX-512F/BW/VL and AVX512-BF16.  Included only there.  No include guard on purpose.
  *
  * The same operations on every lane as adam_coded_fused.h (so the same bits as it and as the
  * portable hz_q8_range / hz_q4_range), taking the same cases to the portable path (a block
@@ -74,11 +73,52 @@ static inline __m256i HZ_FN(hz5_out16)(__m512 x, const int ok) {
     return (__m256i)_mm512_cvtneps_pbh(x);
 }
 
-/* Stores 16 new params x (elements e..e+15) and, unless ok is HZ_NONE, their 16-bit copy. */
+/* 16 params from element e of the master pm (a->param, or a->master16 when mk is HZ_BF16). */
+static inline __attribute__((always_inline)) __m512 HZ_FN(hz5_p)(const void *pm, size_t e,
+                                                                 const int mk) {
+    if (mk == HZ_BF16) return HZ_FN(hz5_bf16_load)((const uint16_t *)pm + e);  /* exact */
+    return _mm512_loadu_ps((const float *)pm + e);
+}
+
+/* hz_hash32 (lowbias32) on 16 lanes. */
+static inline __m512i HZ_FN(hz5_hash32)(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* hz_float_to_bf16_sr of 16 lanes x with the counters ctr (hz5_pstore), as 32-bit lanes:
+ * hz_sr8's operations. */
+static inline __m512i HZ_FN(hz5_sr)(__m512 x, __m512i ctr) {
+    __m512i r = HZ_FN(hz5_hash32)(ctr), u = _mm512_castps_si512(x);
+    __m512i s = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    if (__builtin_expect(nan != 0, 0))  /* sign and top payload, quieted */
+        s = _mm512_mask_or_epi32(s, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return s;
+}
+
+/* Stores 16 new params x (elements e..e+15) into the master pm (as hz5_p): fp32 as they are,
+ * and unless ok is HZ_NONE their 16-bit copy (hz5_out16); bf16 rounded stochastically as
+ * hz_pstore16 does (element e's random word hz_hash32(sr_key + sr_first + e), from the
+ * counters ctr of elements e..e+15, moved on by 16), into the master and, unless ok is
+ * HZ_NONE, out (the same values; it may be the master itself). */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz5_pstore)(float *p, uint16_t *out, size_t e, __m512 x, const int ok) {
-    _mm512_storeu_ps(p + e, x);
-    if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), HZ_FN(hz5_out16)(x, ok));
+HZ_FN(hz5_pstore)(void *pm, uint16_t *out, size_t e, __m512 x, __m512i *ctr, const int ok,
+                  const int mk) {
+    if (mk == HZ_F32) {
+        _mm512_storeu_ps((float *)pm + e, x);
+        if (ok != HZ_NONE)
+            _mm256_storeu_si256((__m256i *)(out + e), HZ_FN(hz5_out16)(x, ok));
+        return;
+    }
+    __m256i h = _mm512_cvtepi32_epi16(HZ_FN(hz5_sr)(x, *ctr));
+    *ctr = _mm512_add_epi32(*ctr, _mm512_set1_epi32(16));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)pm + e), h);
+    if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), h);
 }
 
 /* exp_avg of 16 elements from their 8-bit codes c (one per lane): the value of c & 0x7f,
@@ -196,19 +236,47 @@ typedef struct {
     __m512 decay, icap, rbc2, eps, ns;
 } HZ_FN(hz5_pconsts);
 
-/* Pass 2 on 16 elements (e..e+15; mt, ut: their new m and sqrt(v) in the tiles): the new
- * params and their 16-bit copy. */
-static inline __attribute__((always_inline)) void
-HZ_FN(hz5_param16)(float *p, uint16_t *out, size_t e, const float *mt, const float *ut,
-                   const HZ_FN(hz5_pconsts) k, const int ok) {
+/* Pass 2's new values of 16 params (e..e+15; mt, ut: their new m and sqrt(v) in the tiles). */
+static inline __attribute__((always_inline)) __m512
+HZ_FN(hz5_pnew)(const void *pm, size_t e, const float *mt, const float *ut,
+                const HZ_FN(hz5_pconsts) k, const int mk) {
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
     __m512 mi = _mm512_load_ps(mt), si = _mm512_load_ps(ut);
-    __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + e), k.decay);
+    __m512 pi = _mm512_mul_ps(HZ_FN(hz5_p)(pm, e, mk), k.decay);
     __m512 cap = _mm512_mul_ps(
         _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mi), abs_mask)), k.icap);
     __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_max_ps(cap, si), k.rbc2), k.eps);
-    __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(k.ns, mi), d));
-    HZ_FN(hz5_pstore)(p, out, e, pn, ok);
+    return _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(k.ns, mi), d));
+}
+
+/* Pass 2 on 16 elements: the new params and their 16-bit copy (hz5_pstore). */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_param16)(void *pm, uint16_t *out, size_t e, const float *mt, const float *ut,
+                   const HZ_FN(hz5_pconsts) k, __m512i *ctr, const int ok, const int mk) {
+    HZ_FN(hz5_pstore)(pm, out, e, HZ_FN(hz5_pnew)(pm, e, mt, ut, k, mk), ctr, ok, mk);
+}
+
+/* Pass 2 on 32 elements.  A bf16 master's 32 rounded values take one vpackusdw and one
+ * vpermq into element order, where hz5_pstore's vpmovdw takes 2 uops per 16. */
+static inline __attribute__((always_inline)) void
+HZ_FN(hz5_param32)(void *pm, uint16_t *out, size_t e, const float *mt, const float *ut,
+                   const HZ_FN(hz5_pconsts) k, __m512i *ctr, const int ok, const int mk) {
+    if (mk == HZ_F32) {
+        HZ_FN(hz5_param16)(pm, out, e, mt, ut, k, ctr, ok, mk);
+        HZ_FN(hz5_param16)(pm, out, e + 16, mt + 16, ut + 16, k, ctr, ok, mk);
+        return;
+    }
+    __m512i s[2];
+    for (int h = 0; h < 2; ++h) {
+        __m512 x = HZ_FN(hz5_pnew)(pm, e + 16 * h, mt + 16 * h, ut + 16 * h, k, mk);
+        s[h] = HZ_FN(hz5_sr)(x, *ctr);
+        *ctr = _mm512_add_epi32(*ctr, _mm512_set1_epi32(16));
+    }
+    /* the pack's lanes hold elements 4l..4l+3 of s[0], then of s[1]: qword 2l and 2l + 1 */
+    __m512i w = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                         _mm512_packus_epi32(s[0], s[1]));
+    _mm512_storeu_si512((void *)((uint16_t *)pm + e), w);
+    if (ok != HZ_NONE) _mm512_storeu_si512((void *)(out + e), w);
 }
 
 /* The codes of 16 lanes m (new exp_avg) and u (new sqrt(exp_avg_sq) times its inverse scale)
@@ -263,12 +331,12 @@ HZ_FN(hz5_enc16)(uint8_t *mc, uint8_t *uc, size_t e, const float *mt, const floa
 
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int gk,
-                        const int ok, const int qk, const int l2_on) {
+                        const int ok, const int qk, const int mk, const int l2_on) {
     float mt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
     const void *grad = a->grad;
-    float *p = a->param;
+    void *pm = mk == HZ_BF16 ? (void *)a->master16 : (void *)a->param;  /* hz5_p */
     uint16_t *out = (uint16_t *)a->out16;
     const __m512 gs = _mm512_set1_ps(a->grad_scale), decay = _mm512_set1_ps(a->decay);
     const __m512 l2 = _mm512_set1_ps(a->l2), c = _mm512_set1_ps(a->one_minus_beta1);
@@ -283,7 +351,7 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
         size_t n = hi - b0 < bs ? hi - b0 : bs, blk = b0 / bs;
         const float msf = a->m_scale[blk] * a->beta1, usf = a->v_scale[blk] * a->sqrt_beta2;
         if ((n & 15u) || hz_bits(msf) > 0x7f800000u) {  /* adam_coded_fused.h's cases */
-            HZ_FN(hz_rest)(a, b0, b0 + n, HZ_F32);
+            HZ_FN(hz_rest)(a, b0, b0 + n, mk);
             continue;
         }
         __m512 t0, t1, t2;  /* Q8: ms, -ms, us; Q4: the tables (t2 unused) */
@@ -299,7 +367,7 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
         for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
             size_t i = b0 + j;
             if (i < pf_end) {
-                HZ_FN(hz_prefetch)(p, i + HZ_PREFETCH, 4, j);
+                HZ_FN(hz_prefetch)(pm, i + HZ_PREFETCH, mk == HZ_BF16 ? 2 : 4, j);
                 HZ_FN(hz_prefetch)(grad, i + HZ_PREFETCH, gk == HZ_F32 ? 4 : 2, j);
                 HZ_FN(hz_prefetch_codes)(mc, i + HZ_PREFETCH, j, qk);
                 HZ_FN(hz_prefetch_codes)(uc, i + HZ_PREFETCH, j, qk);
@@ -316,7 +384,7 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
                 vd = _mm512_permutexvar_ps(HZ_FN(hz5_q4_codes)(uc + i / 2), t1);
             }
             __m512 g = _mm512_mul_ps(HZ_FN(hz5_grad)(grad, i, gk), gs);
-            if (l2_on) g = _mm512_fmadd_ps(l2, _mm512_mul_ps(_mm512_loadu_ps(p + i), decay), g);
+            if (l2_on) g = _mm512_fmadd_ps(l2, _mm512_mul_ps(HZ_FN(hz5_p)(pm, i, mk), decay), g);
             __m512 mi = _mm512_fmadd_ps(c, g, md);
             __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, vd);
             __m512 si = _mm512_sqrt_ps(vi);
@@ -325,24 +393,29 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
             mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
             umax = _mm512_max_epu32(umax, _mm512_castps_si512(si));  /* as adam_coded_fused.h */
         }
+        /* a bf16 master's counters (hz5_pstore) of elements b0..b0+15 */
+        __m512i ctr = _mm512_add_epi32(
+            _mm512_set1_epi32((int)(a->sr_key + a->sr_first + (uint32_t)b0)),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         float sm, su;
         if (!HZ_FN(hz_coded_scales)(a, b0, n, qk, mt, ut,
                                     (uint32_t)_mm512_reduce_max_epu32(mmax),
                                     (uint32_t)_mm512_reduce_max_epu32(umax), &sm, &su)) {
             for (size_t j = 0; j < n; j += 16)  /* the portable encode has run: pass 2 */
-                HZ_FN(hz5_param16)(p, out, b0 + j, mt + j, ut + j, k, ok);
+                HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, k, &ctr, ok, mk);
             continue;
         }
         const __m512 im = _mm512_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
         const __m512 iu = _mm512_set1_ps(su == 0.0f ? 0.0f : 1.0f / su);
         size_t j = 0;
         for (; j + 64 <= n; j += 64) {  /* passes 2 and 3: the params, then their encode */
-            for (size_t h = 0; h < 64; h += 16)
-                HZ_FN(hz5_param16)(p, out, b0 + j + h, mt + j + h, ut + j + h, k, ok);
+            for (size_t h = 0; h < 64; h += 32)
+                HZ_FN(hz5_param32)(pm, out, b0 + j + h, mt + j + h, ut + j + h, k, &ctr,
+                                   ok, mk);
             HZ_FN(hz5_enc64)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
         }
         for (; j < n; j += 16) {  /* the block's last 16, 32 or 48 */
-            HZ_FN(hz5_param16)(p, out, b0 + j, mt + j, ut + j, k, ok);
+            HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, k, &ctr, ok, mk);
             HZ_FN(hz5_enc16)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
         }
         a->m_scale[blk] = sm;
@@ -350,19 +423,19 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
     }
 }
 
-/* The coded pass of a variant with this file: hz_coded512_body (the L2 flag a constant, as
- * hz_coded_fused) for an fp32 master, adam_coded_fused.h's 8-lane pass for a bf16 one, which
- * zmm did not make faster: bench_kernel_loop.py, 64K params in cache, fastest of 3
- * alternating runs of each build, the Xeon of family 6 model 167, ns/param 8-lane -> zmm:
- * fp32 master, int8 0.675 -> 0.585, int4 0.667 -> 0.622 (three passes, the per-16 encode;
- * then with the encode on 64 at a time 0.549 / 0.539, and inside the params' loop 0.531 /
- * 0.531; the 8-lane encode in the zmm pass instead: 0.666 with 4-bit codes); bf16 master
- * (the stochastic rounding on 16 lanes too), int8 0.700 -> 0.684, int4 0.689 -> 0.728, and
- * 0.79 / 0.91 with pass 2 on 8 lanes after zmm passes 1 and 3. */
+/* The coded pass of a variant with this file: hz_coded512_body with the L2 flag a constant,
+ * as hz_coded_fused.  bench_kernel_loop.py, 64K params in cache, fastest of 3 (the first two
+ * figures) or 5 alternating runs of each build, the Xeon of family 6 model 167, ns/param 8-lane -> zmm: fp32 master,
+ * int8 0.675 -> 0.585, int4 0.667 -> 0.622 (three passes, the per-16 encode; then with the
+ * encode on 64 at a time 0.549 / 0.539, and inside the params' loop 0.531 / 0.531; the 8-lane
+ * encode in the zmm pass instead: 0.666 with 4-bit codes).  A bf16 master (the stochastic
+ * rounding on 16 lanes too) gained nothing from zmm with the per-16 encode (int8 0.700 ->
+ * 0.684, int4 0.689 -> 0.728; 0.79 / 0.91 with pass 2 on 8 lanes after zmm passes 1 and 3)
+ * and kept the 8-lane pass; with the encode inside the params' loop it gains: 0.686 -> 0.637,
+ * 0.690 -> 0.625, and 0.614 / 0.604 with hz5_param32's pack. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
                    const int qk, const int mk) {
-    if (mk == HZ_BF16) HZ_FN(hz_coded_fused)(a, lo, hi, gk, ok, qk, HZ_BF16);
-    else if (!a->l2_on) HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, 0);
-    else HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, 1);
+    if (!a->l2_on) HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, mk, 0);
+    else HZ_FN(hz_coded512_body)(a, lo, hi, gk, ok, qk, mk, 1);
 }
