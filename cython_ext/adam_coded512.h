@@ -425,14 +425,15 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
 
 /* The coded pass of a variant with this file: hz_coded512_body with the L2 flag a constant,
  * as hz_coded_fused.  bench_kernel_loop.py, 64K params in cache, fastest of 3 (the first two
- * figures) or 5 alternating runs of each build, the Xeon of family 6 model 167, ns/param 8-lane -> zmm: fp32 master,
- * int8 0.675 -> 0.585, int4 0.667 -> 0.622 (three passes, the per-16 encode; then with the
- * encode on 64 at a time 0.549 / 0.539, and inside the params' loop 0.531 / 0.531; the 8-lane
- * encode in the zmm pass instead: 0.666 with 4-bit codes).  A bf16 master (the stochastic
- * rounding on 16 lanes too) gained nothing from zmm with the per-16 encode (int8 0.700 ->
- * 0.684, int4 0.689 -> 0.728; 0.79 / 0.91 with pass 2 on 8 lanes after zmm passes 1 and 3)
- * and kept the 8-lane pass; with the encode inside the params' loop it gains: 0.686 -> 0.637,
- * 0.690 -> 0.625, and 0.614 / 0.604 with hz5_param32's pack. */
+ * figures) or 5 alternating runs of each build, the Xeon of family 6 model 167, ns/param
+ * 8-lane -> zmm: fp32 master, int8 0.675 -> 0.585, int4 0.667 -> 0.622 (three passes, the
+ * per-16 encode; then with the encode on 64 at a time 0.549 / 0.539, and inside the params'
+ * loop 0.531 / 0.531; the 8-lane encode in the zmm pass instead: 0.666 with 4-bit codes).  A
+ * bf16 master (the stochastic rounding on 16 lanes too) gained nothing from zmm with the
+ * per-16 encode (int8 0.700 -> 0.684, int4 0.689 -> 0.728; 0.79 / 0.91 with pass 2 on 8
+ * lanes after zmm passes 1 and 3) and kept the 8-lane pass then; with the encode inside the
+ * params' loop it gains: 0.686 -> 0.637, 0.690 -> 0.625, and 0.614 / 0.604 with
+ * hz5_param32's pack. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
                    const int qk, const int mk) {
