@@ -23,7 +23,9 @@ With --clock it also measures the core (`clock`): its clock under this load, fro
 dependent integer multiplies (three cycles each), and the throughput of vsqrtps and vdivps on 8 fp32
 lanes (the two divider ops the update takes per 8 params), alone and interleaved, in cycles;
 the timing table then gives cycles per param too.  A virtual machine seldom lets perf count
-cycles, so this is how the docs turn ns into cycles.
+cycles, so this is how the docs turn ns into cycles.  Where the CPU has AVX-512 it also times
+two 16-lane vsqrtps or vdivps, 16 independent vpsrld, and each pair interleaved: above the
+slower of the two alone, the divider's ops hold a port the shifts need (port 0 on Intel).
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
        [--instructions [--kinds]] [--clock]
 """
@@ -149,6 +151,30 @@ static const float ONE_HALF[8] = {1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f
         if (t < out) out = t;                                                             \
     }
 
+#ifdef __AVX512F__
+static const float ONE_HALF16[16] = {1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f,
+                                     1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f};
+#define ZSQRT2 "vsqrtps %%zmm0,%%zmm0\n vsqrtps %%zmm1,%%zmm1\n"
+#define ZDIV2 "vdivps %%zmm0,%%zmm8,%%zmm0\n vdivps %%zmm1,%%zmm8,%%zmm1\n"
+#define ZSRL4 "vpsrld $1,%%zmm2,%%zmm2\n vpsrld $1,%%zmm3,%%zmm3\n"                           \
+    "vpsrld $1,%%zmm4,%%zmm4\n vpsrld $1,%%zmm5,%%zmm5\n"
+#define ZSRL16 ZSRL4 ZSRL4 ZSRL4 ZSRL4
+#define ZINIT "vmovups (%1),%%zmm8\n vmovaps %%zmm8,%%zmm0\n vmovaps %%zmm8,%%zmm1\n"       \
+    "vpxord %%zmm2,%%zmm2,%%zmm2\n vpxord %%zmm3,%%zmm3,%%zmm3\n"                           \
+    "vpxord %%zmm4,%%zmm4,%%zmm4\n vpxord %%zmm5,%%zmm5,%%zmm5\n"
+#define TIMEZ(body, out)                                                                  \
+    for (int r = 0; r < 3; ++r) {                                                         \
+        long i = n;                                                                       \
+        double t = now();                                                                 \
+        __asm__ volatile(ZINIT "1:\n" body "dec %0\n jnz 1b\n"                            \
+                         : "+r"(i) : "r"(ONE_HALF16)                                      \
+                         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", \
+                           "xmm8");                                                       \
+        t = now() - t;                                                                    \
+        if (t < out) out = t;                                                             \
+    }
+#endif
+
 int main(void) {
     long n = 100000000, x = 1, y = 3;
     double best = 1e30;
@@ -170,16 +196,36 @@ int main(void) {
     TIME(DIV8, dv)
     TIME(SQRT8 DIV8, both)  /* one after the other: do they share a unit? */
     double per = 1e9 * ghz / (8.0 * n);  /* seconds -> cycles per op (8 ops an iteration) */
-    printf("%.4f %.3f %.3f %.3f\n", ghz, sq * per, dv * per, both * per);
+    printf("%.4f %.3f %.3f %.3f", ghz, sq * per, dv * per, both * per);
+#ifdef __AVX512F__
+    /* 16 lanes: two chains of the op an iteration, 16 independent vpsrld (4 chains), and
+     * both: what the op leaves of the ports the shifts need (on Intel zmm shifts take port 0
+     * only, where the divider sits) */
+    double zs = 1e30, zd = 1e30, zr = 1e30, zsr = 1e30, zdr = 1e30;
+    TIMEZ(ZSQRT2, zs)
+    TIMEZ(ZDIV2, zd)
+    TIMEZ(ZSRL16, zr)
+    TIMEZ(ZSQRT2 ZSRL16, zsr)
+    TIMEZ(ZDIV2 ZSRL16, zdr)
+    per = 1e9 * ghz / n;  /* cycles per iteration */
+    printf(" %.3f %.3f %.3f %.3f %.3f", zs * per, zd * per, zr * per, zsr * per, zdr * per);
+#endif
+    printf("\n");
     return 0;
 }
 """
 
 
+ZMM = ("2 vsqrtps", "2 vdivps", "16 vpsrld", "2 vsqrtps + 16 vpsrld", "2 vdivps + 16 vpsrld")
+
+
 def clock() -> dict[str, float]:
     """{"ghz": this core's clock now, "sqrt": cycles per vsqrtps of 8 lanes, "div": per
     vdivps, "sqrt+div": per pair, the two interleaved (their sum where they share one unit)}
-    (PROBE); raises RuntimeError where it does not build (no C compiler, no AVX)."""
+    (PROBE), and where -march=native has AVX-512, "zmm": {ZMM's names: cycles} of 16-lane ops:
+    two vsqrtps or vdivps, 16 independent vpsrld, and each pair of them interleaved (above the
+    slower alone: the two contend for a port); raises RuntimeError where it does not build (no
+    C compiler, no AVX)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
@@ -191,8 +237,11 @@ def clock() -> dict[str, float]:
         if build.returncode:
             raise RuntimeError(f"the clock probe did not build (it needs AVX):\n{build.stderr}")
         out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    ghz, sq, div, both = (float(x) for x in out.split())
-    return {"ghz": ghz, "sqrt": sq, "div": div, "sqrt+div": both}
+    ghz, sq, div, both, *zmm = (float(x) for x in out.split())
+    got = {"ghz": ghz, "sqrt": sq, "div": div, "sqrt+div": both}
+    if zmm:
+        got["zmm"] = dict(zip(ZMM, zmm, strict=True))
+    return got
 
 
 def _spec(modes) -> list[str]:
@@ -393,6 +442,8 @@ def main(argv=None) -> int:
         return 0
     print(f"core: {core['ghz']:.2f} GHz (dependent multiplies); vsqrtps {core['sqrt']:.2f}, "
           f"vdivps {core['div']:.2f}, the pair {core['sqrt+div']:.2f} cycles per 8 lanes")
+    if "zmm" in core:
+        print("zmm, cycles: " + ", ".join(f"{k} {v:.1f}" for k, v in core["zmm"].items()))
     print(f"{head} cycles/param |\n|---|---:|---:|")
     for name, value in ns.items():
         print(f"| {name} | {value:.3f} | {value * core['ghz']:.2f} |")

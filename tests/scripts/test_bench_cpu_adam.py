@@ -94,12 +94,21 @@ def test_kernel_loop_builds_and_times_every_state():
 def test_kernel_loop_clock_probe_measures_the_core():
     """The probe's figures are a clock and two throughputs a CPU can have: a core between 0.5
     and 8 GHz, vsqrtps and vdivps of 8 lanes between 1 and 60 cycles each, the pair
-    interleaved no faster than the slower of the two alone."""
+    interleaved no faster than the slower of the two alone; and on a CPU with AVX-512 (only
+    there) the 16-lane figures, alike."""
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     core = loop["clock"]()
     assert 0.5 < core["ghz"] < 8, core
     assert 1 < core["sqrt"] < 60 and 1 < core["div"] < 60, core
     assert 0.9 * max(core["sqrt"], core["div"]) < core["sqrt+div"] < 120, core
+    # -march=native: the CPU's own ISA
+    assert ("zmm" in core) == ("avx512f" in loop["_cpu_flags"]()), core
+    if "zmm" in core:  # 16-lane figures: two ops of 2-120 cycles each, 16 shifts 2-64 cycles
+        z = core["zmm"]
+        assert list(z) == list(loop["ZMM"]), z
+        assert 2 < z["2 vsqrtps"] < 240 and 2 < z["2 vdivps"] < 240 and 2 < z["16 vpsrld"] < 64
+        for op in ("2 vsqrtps", "2 vdivps"):  # interleaved: no faster than the slower alone
+            assert 0.9 * max(z[op], z["16 vpsrld"]) < z[f"{op} + 16 vpsrld"], z
 
 
 @pytest.mark.slow
