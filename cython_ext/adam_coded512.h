@@ -80,43 +80,43 @@ static inline __attribute__((always_inline)) __m512 HZ_FN(hz5_p)(const void *pm,
     return _mm512_loadu_ps((const float *)pm + e);
 }
 
-/* hz_hash32 (lowbias32) on 16 lanes. */
-static inline __m512i HZ_FN(hz5_hash32)(__m512i x) {
+/* The low 16 bits of hz_hash32 (lowbias32) on 16 lanes: all that the rounding adds.  Its last
+ * xor and the mask are one vpternlogd. */
+static inline __m512i HZ_FN(hz5_hash16)(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), _mm512_set1_epi32(0xffff),
+                                     0x28);  /* (x ^ (x >> 16)) & 0xffff */
 }
 
-/* hz_float_to_bf16_sr of 16 lanes x with the counters ctr (hz5_pstore), as 32-bit lanes:
- * hz_sr8's operations. */
-static inline __m512i HZ_FN(hz5_sr)(__m512 x, __m512i ctr) {
-    __m512i r = HZ_FN(hz5_hash32)(ctr), u = _mm512_castps_si512(x);
-    __m512i s = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0xffff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    if (__builtin_expect(nan != 0, 0))  /* sign and top payload, quieted */
-        s = _mm512_mask_or_epi32(s, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return s;
+/* hz_float_to_bf16_sr of 16 lanes x with their random words r (hz5_hash16's), in the upper
+ * half of each 32-bit lane (the lower half is not part of it): hz_sr8's operations, the NaN
+ * case by a masked OR rather than a branch. */
+static inline __m512i HZ_FN(hz5_sr)(__m512 x, __m512i r) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i s = _mm512_add_epi32(u, r);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);  /* sign and top payload, quieted */
+    return _mm512_mask_or_epi32(s, nan, u, _mm512_set1_epi32(0x00400000));
 }
 
 /* Stores 16 new params x (elements e..e+15) into the master pm (as hz5_p): fp32 as they are,
  * and unless ok is HZ_NONE their 16-bit copy (hz5_out16); bf16 rounded stochastically as
- * hz_pstore16 does (element e's random word hz_hash32(sr_key + sr_first + e), from the
- * counters ctr of elements e..e+15, moved on by 16), into the master and, unless ok is
- * HZ_NONE, out (the same values; it may be the master itself). */
+ * hz_pstore16 does (element e's random word hz_hash32(sr_key + sr_first + e), its low 16 bits
+ * in rt: pass 1 hashes them), into the master and, unless ok is HZ_NONE, out (the same
+ * values; it may be the master itself). */
 static inline __attribute__((always_inline)) void
-HZ_FN(hz5_pstore)(void *pm, uint16_t *out, size_t e, __m512 x, __m512i *ctr, const int ok,
-                  const int mk) {
+HZ_FN(hz5_pstore)(void *pm, uint16_t *out, size_t e, __m512 x, const uint32_t *rt,
+                  const int ok, const int mk) {
     if (mk == HZ_F32) {
         _mm512_storeu_ps((float *)pm + e, x);
         if (ok != HZ_NONE)
             _mm256_storeu_si256((__m256i *)(out + e), HZ_FN(hz5_out16)(x, ok));
         return;
     }
-    __m256i h = _mm512_cvtepi32_epi16(HZ_FN(hz5_sr)(x, *ctr));
-    *ctr = _mm512_add_epi32(*ctr, _mm512_set1_epi32(16));
+    __m256i h = _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(HZ_FN(hz5_sr)(x, _mm512_load_si512((const void *)rt)), 16));
     _mm256_storeu_si256((__m256i *)((uint16_t *)pm + e), h);
     if (ok != HZ_NONE) _mm256_storeu_si256((__m256i *)(out + e), h);
 }
@@ -261,29 +261,31 @@ HZ_FN(hz5_pnew)(const void *pm, size_t e, const float *mt, const float *ut,
 /* Pass 2 on 16 elements: the new params and their 16-bit copy (hz5_pstore). */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz5_param16)(void *pm, uint16_t *out, size_t e, const float *mt, const float *ut,
-                   const HZ_FN(hz5_pconsts) k, __m512i *ctr, const int ok, const int mk) {
-    HZ_FN(hz5_pstore)(pm, out, e, HZ_FN(hz5_pnew)(pm, e, mt, ut, k, mk), ctr, ok, mk);
+                   const uint32_t *rt, const HZ_FN(hz5_pconsts) k, const int ok, const int mk) {
+    HZ_FN(hz5_pstore)(pm, out, e, HZ_FN(hz5_pnew)(pm, e, mt, ut, k, mk), rt, ok, mk);
 }
 
-/* Pass 2 on 32 elements.  A bf16 master's 32 rounded values take one vpackusdw and one
- * vpermq into element order, where hz5_pstore's vpmovdw takes 2 uops per 16. */
+/* Pass 2 on 32 elements.  A bf16 master's 32 rounded values (the upper halves of hz5_sr's
+ * lanes) take one vpermt2w into element order (2 uops, port 5), where shifting them down and
+ * a vpackusdw and a vpermq took 4 (two of them shifts, port 0 only), and hz5_pstore's
+ * vpmovdw takes 2 per 16. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz5_param32)(void *pm, uint16_t *out, size_t e, const float *mt, const float *ut,
-                   const HZ_FN(hz5_pconsts) k, __m512i *ctr, const int ok, const int mk) {
+                   const uint32_t *rt, const HZ_FN(hz5_pconsts) k, const int ok, const int mk) {
     if (mk == HZ_F32) {
-        HZ_FN(hz5_param16)(pm, out, e, mt, ut, k, ctr, ok, mk);
-        HZ_FN(hz5_param16)(pm, out, e + 16, mt + 16, ut + 16, k, ctr, ok, mk);
+        HZ_FN(hz5_param16)(pm, out, e, mt, ut, rt, k, ok, mk);
+        HZ_FN(hz5_param16)(pm, out, e + 16, mt + 16, ut + 16, rt + 16, k, ok, mk);
         return;
     }
     __m512i s[2];
     for (int h = 0; h < 2; ++h) {
         __m512 x = HZ_FN(hz5_pnew)(pm, e + 16 * h, mt + 16 * h, ut + 16 * h, k, mk);
-        s[h] = HZ_FN(hz5_sr)(x, *ctr);
-        *ctr = _mm512_add_epi32(*ctr, _mm512_set1_epi32(16));
+        s[h] = HZ_FN(hz5_sr)(x, _mm512_load_si512((const void *)(rt + 16 * h)));
     }
-    /* the pack's lanes hold elements 4l..4l+3 of s[0], then of s[1]: qword 2l and 2l + 1 */
-    __m512i w = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
-                                         _mm512_packus_epi32(s[0], s[1]));
+    const __m512i hi = _mm512_set_epi16(  /* word i: word 2i + 1 of s[0] then s[1] */
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+        19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512i w = _mm512_permutex2var_epi16(s[0], hi, s[1]);
     _mm512_storeu_si512((void *)((uint16_t *)pm + e), w);
     if (ok != HZ_NONE) _mm512_storeu_si512((void *)(out + e), w);
 }
@@ -343,6 +345,7 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
                         const int ok, const int qk, const int mk, const int l2_on) {
     float mt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
     float ut[HZ_QBLOCK_MAX] __attribute__((aligned(64)));
+    uint32_t rt[HZ_QBLOCK_MAX] __attribute__((aligned(64)));  /* a bf16 master's random words */
     uint8_t *mc = (uint8_t *)a->exp_avg, *uc = (uint8_t *)a->exp_avg_sq;
     const void *grad = a->grad;
     void *pm = mk == HZ_BF16 ? (void *)a->master16 : (void *)a->param;  /* hz5_p */
@@ -373,6 +376,10 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
             t2 = t1;
         }
         __m512i mmax = _mm512_setzero_si512(), umax = _mm512_setzero_si512();
+        /* a bf16 master's counters (hz5_pstore) of elements b0..b0+15 */
+        __m512i ctr = _mm512_add_epi32(
+            _mm512_set1_epi32((int)(a->sr_key + a->sr_first + (uint32_t)b0)),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         for (size_t j = 0; j < n; j += 16) {  /* pass 1: decode, the moments, sqrt(v) */
             size_t i = b0 + j;
             if (i < pf_end) {
@@ -401,17 +408,17 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
             _mm512_store_ps(ut + j, si);
             mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
             umax = _mm512_max_epu32(umax, _mm512_castps_si512(si));  /* as adam_coded_fused.h */
+            if (mk == HZ_BF16) {  /* the rounding's random words: see the top of this file */
+                _mm512_store_si512((void *)(rt + j), HZ_FN(hz5_hash16)(ctr));
+                ctr = _mm512_add_epi32(ctr, _mm512_set1_epi32(16));
+            }
         }
-        /* a bf16 master's counters (hz5_pstore) of elements b0..b0+15 */
-        __m512i ctr = _mm512_add_epi32(
-            _mm512_set1_epi32((int)(a->sr_key + a->sr_first + (uint32_t)b0)),
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         float sm, su;
         if (!HZ_FN(hz_coded_scales)(a, b0, n, qk, mt, ut,
                                     (uint32_t)_mm512_reduce_max_epu32(mmax),
                                     (uint32_t)_mm512_reduce_max_epu32(umax), &sm, &su)) {
             for (size_t j = 0; j < n; j += 16)  /* the portable encode has run: pass 2 */
-                HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, k, &ctr, ok, mk);
+                HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, rt + j, k, ok, mk);
             continue;
         }
         const __m512 im = _mm512_set1_ps(sm == 0.0f ? 0.0f : 1.0f / sm);
@@ -419,12 +426,12 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
         size_t j = 0;
         for (; j + 64 <= n; j += 64) {  /* passes 2 and 3: the params, then their encode */
             for (size_t h = 0; h < 64; h += 32)
-                HZ_FN(hz5_param32)(pm, out, b0 + j + h, mt + j + h, ut + j + h, k, &ctr,
+                HZ_FN(hz5_param32)(pm, out, b0 + j + h, mt + j + h, ut + j + h, rt + j + h, k,
                                    ok, mk);
             HZ_FN(hz5_enc64)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
         }
         for (; j < n; j += 16) {  /* the block's last 16, 32 or 48 */
-            HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, k, &ctr, ok, mk);
+            HZ_FN(hz5_param16)(pm, out, b0 + j, mt + j, ut + j, rt + j, k, ok, mk);
             HZ_FN(hz5_enc16)(mc, uc, b0 + j, mt + j, ut + j, im, iu, qk);
         }
         a->m_scale[blk] = sm;
