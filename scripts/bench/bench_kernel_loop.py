@@ -26,8 +26,13 @@ the timing table then gives cycles per param too.  A virtual machine seldom lets
 cycles, so this is how the docs turn ns into cycles.  Where the CPU has AVX-512 it also times
 two 16-lane vsqrtps or vdivps, 16 independent vpsrld, and each pair interleaved: above the
 slower of the two alone, the divider's ops hold a port the shifts need (port 0 on Intel).
+With --ports (CPUs with AVX-512 only) it times instead each zmm op of the coded pass
+(`port_ops`): 16 independent ones alone, then beside 16 vpsrld and beside 16 vpshufb, and
+says from the pairs' cycles which of the two ops' ports it shares (on Intel's AVX-512 cores,
+where zmm work has ports 0 and 5 alone, the shifts take port 0 and the shuffles port 5), or
+that it goes to either, or takes from both.
 Usage: python scripts/bench/bench_kernel_loop.py [--elements 65536] [--calls 3000] [--rounds 5]
-       [--instructions [--kinds]] [--clock]
+       [--instructions [--kinds]] [--clock] [--ports]
 """
 
 from __future__ import annotations
@@ -236,6 +241,152 @@ def clock() -> dict[str, float]:
     return got
 
 
+# (name, the AT&T template with {r} the op's own register (zmm0-15), the CPU flag it needs)
+# zmm16 / zmm17 hold its other operands; k1 takes a mask result, k2 is all ones.
+PORT_OPS = (
+    ("vmulps", "vmulps %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vfmadd231ps", "vfmadd231ps %%zmm16,%%zmm17,%%zmm{r}", "avx512f"),
+    ("vmaxps", "vmaxps %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpaddd", "vpaddd %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpternlogd", "vpternlogd $0x96,%%zmm16,%%zmm17,%%zmm{r}", "avx512f"),
+    ("vpord (masked)", "vpord %%zmm16,%%zmm{r},%%zmm{r}%{{%%k2%}}", "avx512f"),
+    ("vpmulld", "vpmulld %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpmaddubsw", "vpmaddubsw %%zmm16,%%zmm{r},%%zmm{r}", "avx512bw"),
+    ("vpsrld", "vpsrld $1,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpsrlvd", "vpsrlvd %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpmaxud", "vpmaxud %%zmm16,%%zmm{r},%%zmm{r}", "avx512f"),
+    ("vpshufb", "vpshufb %%zmm16,%%zmm{r},%%zmm{r}", "avx512bw"),
+    ("vpermps", "vpermps %%zmm{r},%%zmm16,%%zmm{r}", "avx512f"),
+    ("vpermd", "vpermd %%zmm{r},%%zmm16,%%zmm{r}", "avx512f"),
+    ("vpmultishiftqb", "vpmultishiftqb %%zmm{r},%%zmm16,%%zmm{r}", "avx512vbmi"),
+    ("vpermt2w", "vpermt2w %%zmm17,%%zmm16,%%zmm{r}", "avx512bw"),
+    ("vpackusdw", "vpackusdw %%zmm16,%%zmm{r},%%zmm{r}", "avx512bw"),
+    ("vpmovzxwd", "vpmovzxwd %%ymm{r},%%zmm{r}", "avx512f"),
+    ("vpmovwb", "vpmovwb %%zmm{r},%%ymm{r}", "avx512bw"),
+    ("vptestmd", "vptestmd %%zmm16,%%zmm{r},%%k1", "avx512f"),
+    ("vcmpunordps", "vcmpunordps %%zmm{r},%%zmm{r},%%k1", "avx512f"),
+    ("vcvtneps2bf16", "vcvtneps2bf16 %%zmm{r},%%ymm{r}", "avx512_bf16"),
+)
+PORT_REFS = ("vpsrld", "vpshufb")  # port 0 alone and port 5 alone on Intel's AVX-512 cores
+PORT_CLASSES = ("the shifts'", "the shuffles'", "either", "both")
+
+PORTS_MAIN = r"""
+#include <stdio.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static const float ONES[16] __attribute__((aligned(64))) = {
+    1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* Sixteen chains (zmm0-15, from 1.0f: no subnormal operand; more chains than any op's latency
+ * over its throughput) of a body run n times, its fastest of 5: seconds. */
+#define PORTS_ONE(r) "vmovaps (%1),%%zmm" #r "\n"
+#define PORTS_INIT PORTS_ONE(0) PORTS_ONE(1) PORTS_ONE(2) PORTS_ONE(3) PORTS_ONE(4)             \
+    PORTS_ONE(5) PORTS_ONE(6) PORTS_ONE(7) PORTS_ONE(8) PORTS_ONE(9) PORTS_ONE(10)              \
+    PORTS_ONE(11) PORTS_ONE(12) PORTS_ONE(13) PORTS_ONE(14) PORTS_ONE(15) PORTS_ONE(16)         \
+    PORTS_ONE(17) "kxnorw %%k2,%%k2,%%k2\n"
+#define PORTS_TIME(body, out)                                                               \
+    for (int r = 0; r < 5; ++r) {                                                           \
+        long i = n;                                                                         \
+        double t = now();                                                                   \
+        __asm__ volatile(PORTS_INIT "1:\n" body "dec %0\n jnz 1b\n" : "+r"(i) : "r"(ONES)  \
+                         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5",  \
+                           "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",       \
+                           "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19",   \
+                           "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "k1", "k2"); \
+        t = now() - t;                                                                      \
+        if (t < out) out = t;                                                               \
+    }
+
+int main(void) {
+    long n = 100000000, x = 1, y = 3;
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {  /* the clock, as PROBE takes it */
+        double t = now();
+        for (long i = 0; i < n; ++i)
+            __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0"
+                             : "+r"(x) : "r"(y));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    const double ghz = 12.0 * n / best / 1e9;
+    n = 2000000;
+    printf("%.4f\n", ghz);
+    /* per op: 16 of it alone, then beside 16 of each reference; cycles per op or pair */
+#define PORTS_ROW(alone, with0, with5)                                                      \
+    {                                                                                       \
+        double a = 1e30, b = 1e30, c = 1e30;                                                \
+        PORTS_TIME(alone, a)                                                                \
+        PORTS_TIME(with0, b)                                                                \
+        PORTS_TIME(with5, c)                                                                \
+        printf("%.3f %.3f %.3f\n", a * ghz * 1e9 / (16.0 * n), b * ghz * 1e9 / (16.0 * n),  \
+               c * ghz * 1e9 / (16.0 * n));                                                 \
+    }
+ROWS
+    return 0;
+}
+"""
+
+
+def _ports_source(ops) -> str:
+    """PORTS_MAIN with a row per op: 16 of it on zmm0-15, and beside them 16 of each reference
+    on zmm18-25 (two each: a reference's latency is one cycle)."""
+    def lines(template: str, regs) -> str:
+        return " ".join(f'"{template.format(r=r)}\\n"' for r in regs)
+    own, other = range(16), [18 + i % 8 for i in range(16)]
+    ref0, ref5 = (next(t for n, t, _ in PORT_OPS if n == ref) for ref in PORT_REFS)
+    rows = [f"    PORTS_ROW({lines(t, own)}, {lines(t, own)} {lines(ref0, other)}, "
+            f"{lines(t, own)} {lines(ref5, other)})" for _, t, _ in ops]
+    return PORTS_MAIN.replace("ROWS", "\n".join(rows))
+
+
+def port_class(alone: float, with_shifts: float, with_shuffles: float) -> str:
+    """Which of the two reference ops' ports an op takes (PORT_CLASSES), from its cycles per op
+    alone and per pair beside 16 vpsrld or 16 vpshufb: a pair that takes a cycle more than the
+    slower of the two alone shares that one's port; neither, the op goes to either port; a
+    fraction of a cycle beside each, it takes from both (more than one uop)."""
+    extra0 = with_shifts - max(alone, 1.0)
+    extra5 = with_shuffles - max(alone, 1.0)
+    if extra0 > 0.5 and extra5 < 0.3:
+        return PORT_CLASSES[0]
+    if extra5 > 0.5 and extra0 < 0.3:
+        return PORT_CLASSES[1]
+    if extra0 < 0.3 and extra5 < 0.3:
+        return PORT_CLASSES[2]
+    return PORT_CLASSES[3]
+
+
+def ports() -> tuple[float, dict[str, tuple[float, float, float]]]:
+    """(the core's GHz, {op: (cycles per op of 16 independent ones, per pair beside 16 vpsrld,
+    per pair beside 16 vpshufb)}) for the zmm ops of the coded pass (PORT_OPS) that this CPU
+    has: what each shares with a shift and with a shuffle (ports 0 and 5 on Intel's AVX-512
+    cores, where zmm work has no other vector port); raises RuntimeError without AVX-512 or
+    a C compiler."""
+    flags = _cpu_flags()
+    if "avx512f" not in flags or "avx512bw" not in flags:
+        raise RuntimeError("--ports times zmm ops: this CPU has no AVX-512F/BW")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
+    ops = [op for op in PORT_OPS if op[2] in flags]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "ports.c", Path(tmp) / "ports"
+        src.write_text(_ports_source(ops))
+        build = subprocess.run([cc, "-O2", "-march=native", str(src), "-o", str(exe)],
+                               capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError(f"the port probe did not build:\n{build.stderr}")
+        out = subprocess.run([str(exe)], capture_output=True, text=True,
+                             check=True).stdout.split("\n")
+    rows = [tuple(float(v) for v in line.split()) for line in out[1:1 + len(ops)]]
+    return float(out[0]), {name: row for (name, _, _), row in zip(ops, rows, strict=True)}
+
+
 def _spec(modes) -> list[str]:
     spec = []
     for _, master, state in modes:
@@ -399,6 +550,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", action="store_true",
                     help="also measure the core's clock and its vsqrtps / vdivps throughput, "
                          "and give cycles per param")
+    ap.add_argument("--ports", action="store_true",
+                    help="instead of the kernel, time the coded pass's zmm ops alone and "
+                         "beside zmm shifts or shuffles: which port each shares (AVX-512 only)")
     args = ap.parse_args(argv)
     if min(args.elements, args.calls, args.rounds) < 1:
         ap.error("--elements, --calls and --rounds must be positive")
@@ -406,6 +560,21 @@ def main(argv=None) -> int:
         ap.error("--kinds splits the count of --instructions: give both")
     if args.clock and args.instructions:
         ap.error("--clock goes with the timing; --instructions counts instead: give one")
+    if args.ports and (args.instructions or args.clock):
+        ap.error("--ports times ops instead of the kernel: give it alone")
+    if args.ports:
+        try:
+            ghz, rows = ports()
+        except RuntimeError as e:
+            ap.error(str(e))
+        print(f"core: {ghz:.2f} GHz (dependent multiplies); cycles per op of 16 independent "
+              f"zmm ops, and per pair beside 16 {PORT_REFS[0]} or 16 {PORT_REFS[1]}")
+        print(f"| op | alone | beside {PORT_REFS[0]} | beside {PORT_REFS[1]} | the port of |"
+              "\n|---|---:|---:|---:|---|")
+        for name, (alone, with0, with5) in rows.items():
+            print(f"| {name} | {alone:.2f} | {with0:.2f} | {with5:.2f} | "
+                  f"{port_class(alone, with0, with5)} |")
+        return 0
     code = ", AVX2 code: valgrind runs no AVX-512" if count_flags() else ""
     if args.kinds:
         split = kinds(args.elements, args.calls)

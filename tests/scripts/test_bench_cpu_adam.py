@@ -111,6 +111,39 @@ def test_kernel_loop_clock_probe_measures_the_core():
             assert 0.9 * max(z[op], z["16 vpsrld"]) < z[f"{op} + 16 vpsrld"], z
 
 
+@pytest.mark.parametrize("figures, port", [
+    ((1.00, 2.00, 1.00), "the shifts'"),  # vpsrld on the Xeon of family 6 model 167
+    ((2.00, 2.00, 3.00), "the shuffles'"),  # vpermt2w there: 2 uops, port 5
+    ((0.54, 1.08, 1.08), "either"),  # vmulps there
+    ((1.23, 1.61, 1.61), "both"),  # vpmulld there
+])
+def test_port_class_reads_which_port_an_op_shares(figures, port):
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    assert loop["port_class"](*figures) == port
+
+
+@pytest.mark.slow
+def test_port_probe_times_the_coded_pass_ops_where_the_cpu_has_avx512():
+    """Where the CPU has AVX-512, every op it has of PORT_OPS gets three throughputs a core can
+    have and a class, and each reference op shares its own port (an op beside 16 of itself
+    takes twice as long as alone, whatever its port); elsewhere one clear error."""
+    loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
+    flags = loop["_cpu_flags"]()
+    if not {"avx512f", "avx512bw"} <= flags:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            loop["ports"]()
+        return
+    ghz, rows = loop["ports"]()
+    assert 0.5 < ghz < 8
+    assert list(rows) == [name for name, _, flag in loop["PORT_OPS"] if flag in flags], rows
+    for name, figures in rows.items():
+        assert all(0.1 < f < 20 for f in figures), (name, figures)
+        assert loop["port_class"](*figures) in loop["PORT_CLASSES"]
+    for ref, beside in zip(loop["PORT_REFS"], (1, 2), strict=True):
+        alone, pair = rows[ref][0], rows[ref][beside]
+        assert pair == pytest.approx(2 * alone, rel=0.25), (ref, rows[ref])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="counting needs valgrind")
 def test_kernel_loop_counts_instructions_of_every_state():
@@ -141,7 +174,8 @@ def test_kernel_loop_splits_the_count_by_kind():
         assert per["vector ALU"] > 1 and per["scalar"] > 0, (name, per)
 
 
-@pytest.mark.parametrize("argv", [["--kinds"], ["--instructions", "--clock"]])
+@pytest.mark.parametrize("argv", [["--kinds"], ["--instructions", "--clock"],
+                                  ["--ports", "--clock"]])
 def test_kernel_loop_refuses_options_it_would_ignore(argv, capsys):
     loop = runpy.run_path(str(ROOT / "scripts" / "bench" / "bench_kernel_loop.py"))
     with pytest.raises(SystemExit) as e:
