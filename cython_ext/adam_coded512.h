@@ -13,21 +13,22 @@
  * exp_avg's sign in the table's upper half, exp_avg_sq in one table, where 8 lanes took a
  * table, an OR and a blend of two); the bf16 copy is one vcvtneps2bf16 per 16 params.
  *
- * Two loops per block: pass 1 (decode, the moments, sqrt(v)), then the params (pass 2) and
- * the encode (pass 3) of 64 elements at a time, which the block's scales, known once pass 1
- * has run, allow.  The encode packs 64 codes with two vpackusdw and a vpackuswb (whose
- * unsigned saturation is the clamp at 0) and puts them in order with one vpermd; 4-bit codes
- * are then paired by vpmaddubsw and narrowed by vpmovwb.  Per 16 lanes it had taken a clamp,
- * a vpmovdb (8-bit; 2 uops) or a shift, an OR and a vpmovqb (4-bit), for each moment.
- * Instructions (objdump of the native build, bf16 grads in and params out): pass 1 44 per 16
- * params (4-bit: 40), passes 2 and 3 127 per 64 (134), ~4.7 (4.6) per param, where callgrind
- * counts 9.4 (9.8) for the 8-lane pass; but they run at ~2.2 per cycle where that one runs at
- * ~3.5.  Most likely why (no performance counters on the VM that measured it): on Intel cores
- * zmm work issues on two ports (0 and 1 fused, and 5) where ymm work has three, and the
- * widening, table, mask and pack ops here all take port 5.  With the passes cut out one at a
- * time (their results then wrong, 64K params in cache, the Xeon of family 6 model 167),
- * ns/param with 4-bit codes: pass 1 0.21, pass 2 0.20, pass 3 0.22 with the per-16 encode,
- * 0.13 with the packs; with 8-bit codes 0.25, 0.20, 0.15 -> 0.13.
+ * Two loops per block: pass 1 (decode, the moments, sqrt(v), and a bf16 master's random
+ * words, which depend on an element's index alone), then the params (pass 2) and the encode
+ * (pass 3) of 64 elements at a time, which the block's scales, known once pass 1 has run,
+ * allow.  The encode packs 64 codes with two vpackusdw and a vpackuswb (whose unsigned
+ * saturation is the clamp at 0) and puts them in order with one vpermd; 4-bit codes are then
+ * paired by vpmaddubsw and narrowed by vpmovwb.  Per 16 lanes it had taken a clamp, a vpmovdb
+ * (8-bit; 2 uops) or a shift, an OR and a vpmovqb (4-bit), for each moment.
+ * What bounds it, on the Xeon of family 6 model 167 (bench_kernel_loop.py --ports; its VM has
+ * no performance counters): zmm work issues on two ports alone, FP math and integer adds and
+ * logic on either, shifts and vpmaxud on port 0 only, every shuffle, permute, pack, widening
+ * and compare into a mask on port 5 only.  Counted from objdump (bf16 grads in, params out),
+ * per 16 params on those two ports: fp32 master 38.5 uops (4-bit codes) and 47 (8-bit), bf16
+ * master 50.5 and 59; the divider (23.8 cycles per 16 lanes) holds port 0 ~11 cycles of
+ * them.  In cache the pass takes ~34-40 cycles per 16: the count of uops, not the divider,
+ * sets its time (cut out, the divide saves 2.3 cycles per 16, the sqrt 2.6), and the choices
+ * below are weighed in those uops.
  *
  * Why only with AVX512-BF16 (Zen 4, Sapphire Rapids and later, Cooper Lake): on the Xeons
  * before it (Skylake-X to Ice Lake), zmm FP work lowers the core's clock for a while.  The
@@ -448,8 +449,11 @@ HZ_FN(hz_coded512_body)(const hz_adam_args *a, size_t lo, size_t hi, const int g
  * bf16 master (the stochastic rounding on 16 lanes too) gained nothing from zmm with the
  * per-16 encode (int8 0.700 -> 0.684, int4 0.689 -> 0.728; 0.79 / 0.91 with pass 2 on 8
  * lanes after zmm passes 1 and 3) and kept the 8-lane pass then; with the encode inside the
- * params' loop it gains: 0.686 -> 0.637, 0.690 -> 0.625, and 0.614 / 0.604 with
- * hz5_param32's pack. */
+ * params' loop it gains: 0.686 -> 0.637, 0.690 -> 0.625, and 0.614 / 0.604 with a pack of
+ * 32 rounded values; then 0.604 / 0.564 with the random words hashed in pass 1, the vpermt2w
+ * and the multishift.  Tried and not kept (docs/benchmarks.md): vrangeps for the cap's max,
+ * the sqrt in the params' loop, each block's pass 1 ahead of the previous block's passes 2
+ * and 3 (two sets of tiles), one reduction of both scales' maxima: level or slower. */
 static inline __attribute__((always_inline)) void
 HZ_FN(hz_coded512)(const hz_adam_args *a, size_t lo, size_t hi, const int gk, const int ok,
                    const int qk, const int mk) {
