@@ -51,6 +51,10 @@ rm -f "$port"/hf_zoffload/ops/_cpu_adam*.so
     >"$port/build.log" 2>&1 &
 pid=$!
 kernel_run "native build" || rc=1
+# issue 38: which port each zmm op of the coded pass shares on this CPU, its rows as figures
+# (5 s on the VM; nothing where the CPU has no AVX-512), while the portable build compiles
+"$PY" scripts/bench/bench_kernel_loop.py --ports 2>&1 |
+    sed -n 's/^core: /summary: ports, /p; s/^| v/summary: &/p'
 if wait "$pid"; then
     (cd "$port" && PYTHONPATH="$port" kernel_run "portable build") || rc=1
     # issue 38: the portable build's variant (AVX-512-BF16 there) timed too, 1 and 2 threads,
