@@ -118,7 +118,8 @@ int main(int argc, char **argv) {
 """
 
 
-PROBE = r"""
+# The probes' clock: this core's GHz under load.
+CLOCK = r"""
 #include <stdio.h>
 #include <time.h>
 
@@ -127,6 +128,28 @@ static double now(void) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
+
+/* 4 dependent imuls per iteration, 3 cycles each (Intel since Core 2, AMD Zen 1-4): 12 cycles.
+ * A chain of add $1 is not a clock on every core: the Xeon of family 6 model 167 ran it at 16
+ * "GHz" (the renamer folds immediate adds), where add reg, reg and this chain both gave 4.04
+ * GHz. */
+static double clock_ghz(void) {
+    long n = 100000000, x = 1, y = 3;
+    double best = 1e30;
+    for (int r = 0; r < 5; ++r) {
+        double t = now();
+        for (long i = 0; i < n; ++i)
+            __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0"
+                             : "+r"(x) : "r"(y));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    return 12.0 * n / best / 1e9;
+}
+"""
+
+
+PROBE = CLOCK + r"""
 
 static const float ONE_HALF[8] = {1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f};
 
@@ -173,22 +196,8 @@ static const float ONE_HALF16[16] = {1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1.5f, 1
 #endif
 
 int main(void) {
-    long n = 100000000, x = 1, y = 3;
-    double best = 1e30;
-    /* 4 dependent imuls per iteration, 3 cycles each (Intel since Core 2, AMD Zen 1-4): 12
-     * cycles.  A chain of add $1 is not a clock on every core: the Xeon of family 6 model
-     * 167 ran it at 16 "GHz" (the renamer folds immediate adds), where add reg, reg and this
-     * chain both gave 4.04 GHz. */
-    for (int r = 0; r < 5; ++r) {
-        double t = now();
-        for (long i = 0; i < n; ++i)
-            __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0"
-                             : "+r"(x) : "r"(y));
-        t = now() - t;
-        if (t < best) best = t;
-    }
-    double ghz = 12.0 * n / best / 1e9, sq = 1e30, dv = 1e30, both = 1e30;
-    n = 10000000;
+    double ghz = clock_ghz(), sq = 1e30, dv = 1e30, both = 1e30;
+    long n = 10000000;
     TIME(SQRT8, sq)
     TIME(DIV8, dv)
     TIME(SQRT8 DIV8, both)  /* one after the other: do they share a unit? */
@@ -270,15 +279,7 @@ PORT_OPS = (
 PORT_REFS = ("vpsrld", "vpshufb")  # port 0 alone and port 5 alone on Intel's AVX-512 cores
 PORT_CLASSES = ("the shifts'", "the shuffles'", "either", "both")
 
-PORTS_MAIN = r"""
-#include <stdio.h>
-#include <time.h>
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
+PORTS_MAIN = CLOCK + r"""
 
 static const float ONES[16] __attribute__((aligned(64))) = {
     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -304,18 +305,8 @@ static const float ONES[16] __attribute__((aligned(64))) = {
     }
 
 int main(void) {
-    long n = 100000000, x = 1, y = 3;
-    double best = 1e30;
-    for (int r = 0; r < 5; ++r) {  /* the clock, as PROBE takes it */
-        double t = now();
-        for (long i = 0; i < n; ++i)
-            __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0"
-                             : "+r"(x) : "r"(y));
-        t = now() - t;
-        if (t < best) best = t;
-    }
-    const double ghz = 12.0 * n / best / 1e9;
-    n = 2000000;
+    const double ghz = clock_ghz();
+    long n = 2000000;
     printf("%.4f\n", ghz);
     /* per op: 16 of it alone, then beside 16 of each reference; cycles per op or pair */
 #define PORTS_ROW(alone, with0, with5)                                                      \
